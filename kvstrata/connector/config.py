@@ -1,0 +1,183 @@
+"""kvstrata's connector options (``kv_connector_extra_config``), validated at start-up.
+
+Every key has a sensible default except none: a user may pass ``{}`` and get the embedded default
+store. An unknown key or a bad value is an error that names the key, so a typo never silently falls
+back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_STORE_ENV = "KVSTRATA_STORE"
+DEFAULT_HOST_BYTES = 1 << 30
+DEFAULT_DISK_BYTES = 64 << 30
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 1 << 10,
+    "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+    "g": 10**9, "gb": 10**9, "gib": 1 << 30,
+    "t": 10**12, "tb": 10**12, "tib": 1 << 40,
+}
+
+
+class ConfigError(ValueError):
+    """A kvstrata option is unknown or has a bad value; the message names the key."""
+
+
+def default_store_path() -> Path:
+    """The embedded default store: ``$KVSTRATA_STORE`` or ``~/.cache/kvstrata/store``."""
+    env = os.environ.get(DEFAULT_STORE_ENV)
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "kvstrata" / "store"
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"4GiB"`` / ``"512 MB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"kvstrata option {key!r}: expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = (m.group(2) or "").lower()
+        if unit not in _UNITS:
+            raise ConfigError(f"kvstrata option {key!r}: unknown size unit in {value!r}")
+        size = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(
+            f"kvstrata option {key!r}: expected a byte size (int or e.g. '4GiB'), got {value!r}"
+        )
+    if size < 0:
+        raise ConfigError(f"kvstrata option {key!r}: must not be negative, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class StrataConfig:
+    """All options. Field names are the ``kv_connector_extra_config`` keys."""
+
+    store_path: Path = field(default_factory=default_store_path)
+    host_bytes: int = DEFAULT_HOST_BYTES
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    disk: bool = True
+    blocks_per_chunk: int = 1
+    codec: str = "auto"
+    zstd_level: int = 1
+    admission: int = 1
+    eviction: str = "lru"
+    prefetch: bool = True
+    prefetch_concurrency: int = 4
+    io_threads: int = 2
+    max_disk_write_backlog_bytes: int = 512 << 20
+    offload_prompt_only: bool = True
+    max_age_s: float | None = None
+    host_shm_dir: Path | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> StrataConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        # vLLM's own OffloadingConnector keys are not ours; say so rather than ignore them.
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kvstrata option(s) {unknown}; known options: {sorted(known)}"
+            )
+        kwargs: dict[str, Any] = {}
+        for key, value in extra.items():
+            kwargs[key] = _VALIDATORS[key](key, value)
+        return cls(**kwargs)
+
+
+def _path(key: str, value: Any) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise ConfigError(f"kvstrata option {key!r}: expected a directory path, got {value!r}")
+    return Path(value).expanduser()
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"kvstrata option {key!r}: expected true or false, got {value!r}")
+
+
+def _int_range(lo: int, hi: int | None = None):
+    def check(key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+                value = int(value)
+            else:
+                raise ConfigError(f"kvstrata option {key!r}: expected an integer, got {value!r}")
+        if value < lo or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ConfigError(f"kvstrata option {key!r}: must be {bound}, got {value!r}")
+        return value
+
+    return check
+
+
+def _choice(*choices: str):
+    def check(key: str, value: Any) -> str:
+        if value not in choices:
+            raise ConfigError(f"kvstrata option {key!r}: expected one of {list(choices)}, got {value!r}")
+        return value
+
+    return check
+
+
+def _admission(key: str, value: Any) -> int:
+    # "all" admits every chunk to disk; N admits a chunk once it was offered N times (SSD wear).
+    if value == "all":
+        return 1
+    return _int_range(1)(key, value)
+
+
+def _optional_seconds(key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"kvstrata option {key!r}: expected seconds > 0 or null, got {value!r}")
+    return float(value)
+
+
+def _optional_path(key: str, value: Any) -> Path | None:
+    return None if value is None else _path(key, value)
+
+
+_VALIDATORS = {
+    "store_path": _path,
+    "host_bytes": lambda k, v: _min_size(k, v, 1 << 20),
+    "disk_bytes": lambda k, v: _min_size(k, v, 1 << 20),
+    "disk": _bool,
+    "blocks_per_chunk": _int_range(1, 4096),
+    "codec": _choice("auto", "raw"),
+    "zstd_level": _int_range(1, 22),
+    "admission": _admission,
+    "eviction": _choice("lru", "arc"),
+    "prefetch": _bool,
+    "prefetch_concurrency": _int_range(1, 256),
+    "io_threads": _int_range(1, 64),
+    "max_disk_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),
+    "offload_prompt_only": _bool,
+    "max_age_s": _optional_seconds,
+    "host_shm_dir": _optional_path,
+}
+
+
+def _min_size(key: str, value: Any, minimum: int) -> int:
+    size = parse_size(key, value)
+    if size < minimum:
+        raise ConfigError(f"kvstrata option {key!r}: must be at least {minimum} bytes, got {value!r}")
+    return size

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: creates the environment if needed, lints, then runs the whole suite
+# (unit, integration against vLLM's real Scheduler, end-to-end on a real vLLM engine on CPU).
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not slow"` for the fast tests only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/env.sh
+.venv/bin/ruff check kvstrata tests
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
