@@ -1,0 +1,66 @@
+"""Connector options: defaults, sizes, and errors that name the bad key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstrata.connector.config import ConfigError, StrataConfig, default_store_path, parse_size
+
+
+def test_defaults_need_no_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KVSTRATA_STORE", str(tmp_path / "s"))
+    cfg = StrataConfig.from_extra_config({})
+    assert cfg.store_path == tmp_path / "s"
+    assert cfg.host_bytes == 1 << 30 and cfg.disk and cfg.codec == "auto" and cfg.zstd_level == 1
+
+
+def test_default_store_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSTRATA_STORE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/x/cache")
+    assert default_store_path() == Path("/x/cache/kvstrata/store")
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [(4096, 4096), ("4GiB", 4 << 30), ("512 MB", 512 * 10**6), ("1.5GiB", 3 << 29), ("2k", 2000)],
+)
+def test_sizes(text: object, size: int) -> None:
+    assert parse_size("host_bytes", text) == size
+
+
+def test_values_are_converted() -> None:
+    cfg = StrataConfig.from_extra_config(
+        {"store_path": "~/x", "host_bytes": "2GiB", "disk": "false", "admission": "all",
+         "blocks_per_chunk": "4", "eviction": "arc", "max_age_s": 3600}
+    )
+    assert cfg.store_path == Path("~/x").expanduser()
+    assert cfg.host_bytes == 2 << 30 and cfg.disk is False and cfg.admission == 1
+    assert cfg.blocks_per_chunk == 4 and cfg.eviction == "arc" and cfg.max_age_s == 3600.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"host_byte": 1}, "host_byte"),
+        ({"cpu_bytes_to_use": 1}, "cpu_bytes_to_use"),
+        ({"host_bytes": "lots"}, "host_bytes"),
+        ({"host_bytes": -5}, "host_bytes"),
+        ({"host_bytes": True}, "host_bytes"),
+        ({"host_bytes": 100}, "host_bytes"),
+        ({"codec": "lz4"}, "codec"),
+        ({"zstd_level": 0}, "zstd_level"),
+        ({"blocks_per_chunk": 0}, "blocks_per_chunk"),
+        ({"blocks_per_chunk": 1.5}, "blocks_per_chunk"),
+        ({"disk": "maybe"}, "disk"),
+        ({"store_path": ""}, "store_path"),
+        ({"store_path": 3}, "store_path"),
+        ({"admission": 0}, "admission"),
+        ({"max_age_s": -1}, "max_age_s"),
+        ({"eviction": "fifo"}, "eviction"),
+    ],
+)
+def test_bad_options_name_the_key(extra: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        StrataConfig.from_extra_config(extra)
