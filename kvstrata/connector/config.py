@@ -75,7 +75,6 @@ class StrataConfig:
     zstd_level: int = 1
     admission: int = 1
     eviction: str = "lru"
-    prefetch: bool = True
     prefetch_concurrency: int = 4
     io_threads: int = 2
     max_disk_write_backlog_bytes: int = 512 << 20
@@ -166,7 +165,6 @@ _VALIDATORS = {
     "zstd_level": _int_range(1, 22),
     "admission": _admission,
     "eviction": _choice("lru", "arc"),
-    "prefetch": _bool,
     "prefetch_concurrency": _int_range(1, 256),
     "io_threads": _int_range(1, 64),
     "max_disk_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),

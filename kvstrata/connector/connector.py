@@ -1,0 +1,265 @@
+"""``StrataConnector``: the class vLLM loads through ``kv_connector_module_path``.
+
+A thin adapter: it validates options, builds the shared ``KVPlan``, and forwards every call to the
+scheduler-side (``StrataScheduler``) or worker-side (``StrataWorker``) half for its role.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvstrata.connector.config import StrataConfig
+from kvstrata.connector.keys import namespace_info
+from kvstrata.connector.metadata import StrataMetadata
+from kvstrata.connector.plan import KVPlan, build_plan
+from kvstrata.connector.stats import StrataPromMetrics, StrataStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvstrata.connector.scheduler import StrataScheduler
+    from kvstrata.connector.worker import StrataWorker
+
+logger = logging.getLogger("kvstrata")
+
+
+def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, Path | None]:
+    """The scheduler's tier stack: host slab + pool, LMDB disk store, the I/O pipeline.
+
+    Returns the hierarchy and, for a session-only store, the temporary directory to remove.
+    """
+    from kvstrata.tiers.disk import DiskStore
+    from kvstrata.tiers.hierarchy import Hierarchy
+    from kvstrata.tiers.host import HostPool, HostSlab
+
+    slab = HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
+    pool = HostPool(slab, policy=cfg.eviction)
+    disk = None
+    session_dir: Path | None = None
+    if cfg.disk:
+        store_path = cfg.store_path
+        if not plan.persistent:
+            # Block hashes differ in every process (xxhash without PYTHONHASHSEED): a persistent
+            # store would never hit after a restart and only fill the disk. Say so, stay useful.
+            session_dir = Path(tempfile.mkdtemp(prefix="kvstrata-session-"))
+            store_path = session_dir
+            logger.warning(
+                "kvstrata: prefix_caching_hash_algo=%r with no PYTHONHASHSEED gives block hashes "
+                "that differ in every process, so KV stored now can never be found after a restart. "
+                "The store is session-only (%s). Use sha256 or sha256_cbor, or set PYTHONHASHSEED, "
+                "for a persistent store.",
+                plan.identity.hash_algo, store_path,
+            )
+        disk = DiskStore(store_path, budget_bytes=cfg.disk_bytes, level=cfg.zstd_level, codec=cfg.codec)
+        for rank, ns in enumerate(plan.namespaces):
+            disk.register_namespace(ns, namespace_info(plan.identity, rank))
+    # Per vLLM group index (the last 4 bytes of a chunk key); groups not offloaded never occur.
+    n = max(g.index for g in plan.groups) + 1
+    shard = [0] * n
+    dtypes = ["uint8"] * n
+    for g in plan.groups:
+        shard[g.index] = g.shard_bytes(plan.blocks_per_chunk)
+        dtypes[g.index] = g.dtype
+    hierarchy = Hierarchy(
+        pool,
+        disk,
+        namespaces=list(plan.namespaces),
+        group_shard_bytes=shard,
+        group_dtypes=dtypes,
+        shard_bytes=plan.shard_bytes,
+        admit_after=cfg.admission,
+        max_deferred_bytes=cfg.max_disk_write_backlog_bytes,
+        max_concurrent_reads=cfg.prefetch_concurrency,
+        read_threads=cfg.io_threads,
+    )
+    return hierarchy, session_dir
+
+
+class StrataConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstrata as a vLLM 0.32 KV connector (``kv_role="kv_both"``)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.cfg = StrataConfig.from_extra_config(extra)
+        self.plan = build_plan(vllm_config, kv_cache_config, self.cfg)
+        self._scheduler: StrataScheduler | None = None
+        self._worker: StrataWorker | None = None
+        self._session_dir: Path | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvstrata.connector.scheduler import StrataScheduler
+
+            hierarchy, self._session_dir = build_hierarchy(self.plan, self.cfg)
+            self._scheduler = StrataScheduler(
+                self.plan,
+                hierarchy,
+                offload_prompt_only=self.cfg.offload_prompt_only,
+                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+            )
+            logger.info(
+                "kvstrata: store %s, host tier %d slots x %d bytes, groups %s",
+                self.cfg.store_path if self.cfg.disk else "(disk tier off)",
+                self.plan.num_slots, self.plan.slot_bytes,
+                [(g.index, g.kind.name, g.tokens_per_chunk, g.is_drafter) for g in self.plan.layout.groups],
+            )
+        else:
+            from kvstrata.connector.worker import StrataWorker
+
+            self._worker = StrataWorker(self.plan, kv_cache_config)
+
+    # vLLM: a best-effort cache runs as kv_both but must not hold finished requests' blocks.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    @property
+    def scheduler(self) -> StrataScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> StrataWorker:
+        assert self._worker is not None, "worker-side call on a scheduler-side connector"
+        return self._worker
+
+    # ------------------------------------------------------------------ worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, StrataMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StrataMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StrataMetadata)
+        self.worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self.worker.get_finished()
+        return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Failed loads go through failed_recving (also listed in finished_recving): the only
+        # failure path that works with several KV cache groups (reference §1.6).
+        sending, recving, failed = self.worker.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def build_connector_worker_meta(self):
+        return self.worker.build_worker_meta() if self._worker is not None else None
+
+    # --------------------------------------------------------------- scheduler
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(
+            request, num_computed_tokens, self._max_loadable_tokens(request, num_computed_tokens)
+        )
+
+    def _max_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Bound from prefix-cacheable groups kvstrata does not offload (none normally)."""
+        offloaded = {g.index for g in self.plan.groups}
+        bounding = [
+            i for i, g in enumerate(self._kv_cache_config.kv_cache_groups)
+            if g.kv_cache_spec.prefix_cacheable and i not in offloaded
+        ]
+        if not bounding or self._kv_cache_manager is None:
+            return None
+        coordinator = self._kv_cache_manager.coordinator
+        _, per_group = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
+        return max(0, min(per_group[g] for g in bounding) - num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler.has_pending_push_work()
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def reset_cache(self) -> bool | None:
+        self.scheduler.reset_cache()
+        return True
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # Pages are opaque bytes, any layout works; ask for the one vLLM's CPU backend supports
+        # so the same store serves CPU and GPU engines of one model only when bytes agree (the
+        # layout is part of the namespace).
+        return "LBHNC"
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is None:
+            return None
+        stats = self._scheduler.take_stats()
+        return None if stats is None or stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return StrataStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return StrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._session_dir is not None:
+            shutil.rmtree(self._session_dir, ignore_errors=True)

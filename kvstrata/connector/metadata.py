@@ -1,0 +1,80 @@
+"""What travels between the scheduler-side and worker-side connectors each step.
+
+Kept small and picklable: vLLM ships the scheduler's metadata to every worker inside
+``SchedulerOutput`` and the workers' metadata back inside ``KVConnectorOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCopy:
+    """One chunk of one group: GPU blocks <-> one host slot.
+
+    ``first_block`` is the index within the chunk of ``block_ids[0]``: a load that starts inside a
+    chunk (its first blocks are already in the GPU prefix cache) copies only the chunk's tail.
+    """
+
+    group: int
+    slot: int
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class TransferJob:
+    job_id: int
+    req_id: str
+    is_store: bool
+    copies: list[ChunkCopy]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b for c in self.copies for b in c.block_ids]
+
+
+@dataclass
+class StrataMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, one per step."""
+
+    loads: list[TransferJob] = field(default_factory=list)
+    stores: list[TransferJob] = field(default_factory=list)
+    # Store jobs whose GPU blocks are re-allocated this step: workers finish them before the
+    # forward (and before block zeroing) in ``handle_preemptions``.
+    flush: set[int] = field(default_factory=set)
+
+
+@dataclass
+class StrataWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: jobs finished since the last step, summed over workers."""
+
+    completed: dict[int, int] = field(default_factory=dict)
+    failed: dict[int, int] = field(default_factory=dict)
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StrataWorkerMetadata:
+        assert isinstance(other, StrataWorkerMetadata)
+        completed = dict(self.completed)
+        for job, n in other.completed.items():
+            completed[job] = completed.get(job, 0) + n
+        failed = dict(self.failed)
+        for job, n in other.failed.items():
+            failed[job] = failed.get(job, 0) + n
+        return StrataWorkerMetadata(
+            completed=completed,
+            failed=failed,
+            bytes_loaded=self.bytes_loaded + other.bytes_loaded,
+            bytes_stored=self.bytes_stored + other.bytes_stored,
+            load_seconds=self.load_seconds + other.load_seconds,
+            store_seconds=self.store_seconds + other.store_seconds,
+        )

@@ -1,0 +1,498 @@
+"""Scheduler side of the connector: request state, jobs, fences — the semantics decide the rest.
+
+Mirrors the job/fence machinery of vLLM's ``OffloadingConnectorScheduler`` (reference §3.8-3.9),
+while *what* is servable and *what* is storable comes from the pure ``semantics`` module and *where*
+chunks live comes from the tier ``Hierarchy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from kvstrata.connector import semantics
+from kvstrata.connector.metadata import (
+    ChunkCopy,
+    StrataMetadata,
+    StrataWorkerMetadata,
+    TransferJob,
+)
+from kvstrata.connector.plan import KVPlan
+from kvstrata.connector.stats import StrataStats
+from kvstrata.presence import Presence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _GroupState:
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    next_stored_chunk: int = 0
+
+
+@dataclass
+class _RequestState:
+    req: Request
+    groups: dict[int, _GroupState]
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
+    num_local: int = 0
+    jobs: set[int] = field(default_factory=set)
+    finished_signaled: bool = False
+    # keys a lookup of this request found only on disk (promoted): for per-tier hit attribution
+    promoted: set[bytes] = field(default_factory=set)
+    load_keys: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, key)
+    lookup_started: float | None = None
+
+
+@dataclass
+class _Job:
+    req_id: str
+    is_store: bool
+    keys: list[bytes]
+    pending: int
+    fenced: list[int] = field(default_factory=list)
+    deferred_fence: list[int] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+def _request_cap(req: Request, name: str) -> int | None:
+    params = req.kv_transfer_params
+    raw = params.get(name) if params else None
+    if raw is None:
+        return None
+    if type(raw) is int and raw >= 0:
+        return raw
+    logger.warning("kvstrata: kv_transfer_params[%r] must be a non-negative int, got %r; ignoring", name, raw)
+    return None
+
+
+class StrataScheduler:
+    def __init__(self, plan: KVPlan, hierarchy: Any, *, offload_prompt_only: bool, prefix_caching: bool):
+        self.plan = plan
+        self.layout = plan.layout
+        self.hierarchy = hierarchy
+        self.offload_prompt_only = offload_prompt_only
+        self.num_workers = plan.world_size
+        self._reqs: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job = 0
+        self._stale_below = 0
+        self._loads: list[TransferJob] = []
+        self._flush: set[int] = set()
+        self._allocated: set[int] = set()
+        self._block_jobs: dict[int, set[int]] = {}
+        self._being_loaded: set[bytes] | None = set() if prefix_caching else None
+        self._windowed = tuple(g.index for g in self.layout.groups if g.kind is not semantics.GroupKind.FULL)
+        self.stats = StrataStats()
+
+    # ---------------------------------------------------------------- requests
+    def on_new_request(self, request: Request) -> None:
+        self._reqs[request.request_id] = _RequestState(
+            req=request,
+            groups={g.index: _GroupState() for g in self.layout.groups},
+            max_load_tokens=_request_cap(request, "max_load_tokens"),
+            max_offload_tokens=_request_cap(request, "max_offload_tokens"),
+        )
+
+    def _refresh_keys(self, st: _RequestState) -> None:
+        hashes = st.req.block_hashes
+        for geom in self.layout.groups:
+            gs = st.groups[geom.index]
+            gs.keys.extend(semantics.chunk_keys(hashes, geom, start=len(gs.keys)))
+
+    # ------------------------------------------------------------------ lookup
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int, max_num_new_tokens: int | None = None
+    ) -> tuple[int | None, bool]:
+        st = self._reqs[request.request_id]
+        for gs in st.groups.values():
+            gs.block_ids.clear()
+        if st.jobs:  # R15: a preempted request's stores are still in flight
+            return None, False
+        self._refresh_keys(st)
+        st.num_local = num_computed_tokens
+        if request.skip_reading_prefix_cache:
+            return 0, False
+        if st.lookup_started is None:
+            st.lookup_started = time.monotonic()
+
+        def probe(keys: Iterable[bytes]) -> list[Presence]:
+            keys = list(keys)
+            answers = list(self.hierarchy.lookup_many(keys))
+            st.promoted.update(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
+            return answers
+
+        hit = semantics.lookup_hit(
+            self.layout,
+            num_tokens=request.num_tokens,
+            local_computed=num_computed_tokens,
+            keys={g: gs.keys for g, gs in st.groups.items()},
+            probe=probe,
+            max_new_tokens=max_num_new_tokens,
+            max_load_tokens=st.max_load_tokens,
+            being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
+        )
+        self.stats.lookups += 1
+        if hit is None:
+            self.stats.lookup_deferrals += 1
+            return None, False
+        self.stats.observe_lookup_delay(time.monotonic() - st.lookup_started)
+        st.lookup_started = None
+        if hit:
+            self.stats.hit_tokens += hit
+        return hit, hit > 0
+
+    def get_external_cache_hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
+        """Tokens per tier: chunks promoted from disk for this request count as DISK, else HOST."""
+        if num_external == 0:
+            return {}
+        st = self._reqs[request.request_id]
+        start, end = st.num_local, st.num_local + num_external
+        disk = 0
+        covered: set[tuple[int, int]] = set()
+        for lo, hi, key in st.load_keys:
+            lo, hi = max(lo, start), min(hi, end)
+            if lo < hi and key in st.promoted and (lo, hi) not in covered:
+                covered.add((lo, hi))
+                disk += hi - lo
+        disk = min(disk, num_external)
+        out = {}
+        if disk:
+            out[CacheHitSource.DISK] = disk
+        if num_external - disk:
+            out[CacheHitSource.HOST] = num_external - disk
+        return out
+
+    # -------------------------------------------------------------------- load
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if num_external == 0:
+            return
+        st = self._reqs[request.request_id]
+        cached = st.num_local + num_external
+        block_ids: dict[int, list[int]] = {}
+        load_start: dict[int, int] = {}
+        for geom in self.layout.groups:
+            group_blocks = blocks.blocks[geom.index]
+            self._allocated.update(b.block_id for b in group_blocks if b.block_id != 0)
+            n_gpu = -(-cached // geom.tokens_per_block)
+            first_fresh = -(-st.num_local // geom.tokens_per_block)
+            # Scan from the local boundary: sparse groups (Mamba, SW) legitimately hold non-null
+            # unhashed blocks below it; nulls are skipped positions (R35).
+            start = n_gpu
+            for i in range(first_fresh, n_gpu):
+                b = group_blocks[i]
+                if not b.is_null and b.block_hash is None:
+                    start = i
+                    break
+            load_start[geom.index] = start
+            block_ids[geom.index] = [b.block_id for b in group_blocks[:n_gpu]]
+        transfers = semantics.plan_load(
+            self.layout,
+            local_computed=st.num_local,
+            hit_tokens=num_external,
+            block_ids=block_ids,
+            load_start_block=load_start,
+            keys={g: gs.keys for g, gs in st.groups.items()},
+        )
+        keys = [t.key for t in transfers]
+        slots = self.hierarchy.prepare_load(keys)
+        copies = [
+            ChunkCopy(t.group, slot, t.first_block_in_chunk, tuple(t.block_ids))
+            for t, slot in zip(transfers, slots, strict=True)
+        ]
+        st.load_keys = [
+            (t.chunk_index * g.tokens_per_chunk, min(cached, (t.chunk_index + 1) * g.tokens_per_chunk), t.key)
+            for t in transfers
+            for g in (self._geom(t.group),)
+        ]
+        # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32).
+        for geom in self.layout.groups:
+            st.groups[geom.index].next_stored_chunk = -(-cached // geom.tokens_per_chunk)
+        job_id = self._new_job(st, is_store=False, keys=keys)
+        self._loads.append(TransferJob(job_id, request.request_id, False, copies))
+        if self._being_loaded is not None:
+            self._being_loaded.update(keys)
+        self.stats.load_jobs += 1
+
+    def _geom(self, index: int) -> semantics.GroupGeometry:
+        for g in self.layout.groups:
+            if g.index == index:
+                return g
+        raise KeyError(index)
+
+    def _new_job(self, st: _RequestState, *, is_store: bool, keys: list[bytes]) -> int:
+        job_id = self._next_job
+        self._next_job += 1
+        assert is_store or not st.jobs, "a load is never concurrent with other jobs (R34)"
+        st.jobs.add(job_id)
+        self._jobs[job_id] = _Job(st.req.request_id, is_store, keys, self.num_workers)
+        return job_id
+
+    # ------------------------------------------------------------------- steps
+    def build_connector_meta(self, so: SchedulerOutput) -> StrataMetadata:
+        self._update_block_ids(so)
+        for req_id in so.preempted_req_ids or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                self._flush.update(st.jobs)
+        if self._block_jobs and not self._block_jobs.keys().isdisjoint(self._allocated):
+            for bid in self._allocated & self._block_jobs.keys():
+                self._flush.update(self._block_jobs[bid])
+        stores = self._boundary_store_jobs(so) + self._store_jobs(so)
+        meta = StrataMetadata(loads=self._loads, stores=stores, flush=self._flush)
+        for req_id in so.finished_req_ids or ():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            st.finished_signaled = True
+            if not st.jobs:
+                del self._reqs[req_id]
+        self._loads, self._flush, self._allocated = [], set(), set()
+        return meta
+
+    def _update_block_ids(self, so: SchedulerOutput) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        prev_len: dict[str, dict[int, int]] = {}
+        for req_id, new_blocks, preempted in yield_req_data(so):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            self._refresh_keys(st)
+            if preempted:
+                for gs in st.groups.values():
+                    gs.block_ids.clear()
+            if new_blocks:
+                prev_len[req_id] = {g: len(st.groups[g].block_ids) for g in self._windowed}
+                for geom in self.layout.groups:
+                    ids = new_blocks[geom.index]
+                    st.groups[geom.index].block_ids.extend(ids)
+                    self._allocated.update(b for b in ids if b != 0)
+        for copy in getattr(so, "kv_cache_block_copies", None) or ():
+            self._allocated.add(copy.dst_block_id)
+        # Windowed groups free blocks while a request runs; a block freed and re-allocated to
+        # anyone this step no longer holds this request's KV: zero its pending-store positions.
+        if self._windowed and self._allocated:
+            bpc = self.plan.blocks_per_chunk
+            for req_id, st in self._reqs.items():
+                ends = prev_len.get(req_id)
+                for g in self._windowed:
+                    gs = st.groups[g]
+                    end = ends[g] if ends is not None else len(gs.block_ids)
+                    for j in range(gs.next_stored_chunk * bpc, end):
+                        if gs.block_ids[j] in self._allocated:
+                            gs.block_ids[j] = 0
+
+    def _offloadable(self, st: _RequestState, so: SchedulerOutput) -> int:
+        req = st.req
+        return semantics.offloadable_tokens(
+            num_computed=req.num_computed_tokens,
+            num_scheduled=so.num_scheduled_tokens.get(req.request_id, 0),
+            num_tokens=req.num_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+            finished=req.is_finished(),
+            aborted=req.status is RequestStatus.FINISHED_ABORTED,
+            offload_prompt_only=self.offload_prompt_only,
+            max_offload_tokens=st.max_offload_tokens,
+        )
+
+    def _store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
+        jobs: list[TransferJob] = []
+        for req_id in chain(so.num_scheduled_tokens, so.finished_req_ids or ()):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            req = st.req
+            offloadable = self._offloadable(st, so)
+            candidates, next_stored = semantics.plan_store(
+                self.layout,
+                offloadable=offloadable,
+                num_prompt_tokens=req.num_prompt_tokens,
+                finished=req.is_finished(),
+                next_stored_chunk={g: gs.next_stored_chunk for g, gs in st.groups.items()},
+                block_ids={g: gs.block_ids for g, gs in st.groups.items()},
+                keys={g: gs.keys for g, gs in st.groups.items()},
+                prompt_offloadable=semantics.offloadable_tokens(
+                    num_computed=req.num_prompt_tokens, num_scheduled=0, num_tokens=req.num_tokens,
+                    num_prompt_tokens=req.num_prompt_tokens, finished=False, aborted=False,
+                    offload_prompt_only=self.offload_prompt_only, max_offload_tokens=st.max_offload_tokens,
+                ),
+                shared_prefix_boundary=getattr(req, "shared_prefix_boundary", None),
+            )
+            if not candidates:
+                self._advance(st, next_stored)
+                continue
+            slots = self.hierarchy.prepare_store([c.key for c in candidates])
+            if slots is None:
+                self.stats.allocation_failures += 1
+                continue
+            chosen = [c for c in candidates if c.key in slots]
+            self._advance(st, next_stored)
+            if not chosen:
+                continue
+            job = self._store_job(st, chosen, slots)
+            jobs.append(job)
+        return jobs
+
+    def _advance(self, st: _RequestState, next_stored: dict[int, int]) -> None:
+        for g, n in next_stored.items():
+            gs = st.groups[g]
+            gs.next_stored_chunk = max(gs.next_stored_chunk, n)
+
+    def _store_job(self, st: _RequestState, chosen: list[Any], slots: dict[bytes, int]) -> TransferJob:
+        copies = [ChunkCopy(c.group, slots[c.key], c.first_block_in_chunk, tuple(c.block_ids)) for c in chosen]
+        job_id = self._new_job(st, is_store=True, keys=[c.key for c in chosen])
+        job = self._jobs[job_id]
+        for c in chosen:
+            geom = self._geom(c.group)
+            # Windowed groups free blocks while the request runs: fence now. Others only when the
+            # request finishes (until then the request's own reference keeps the blocks).
+            if geom.kind is semantics.GroupKind.FULL:
+                job.deferred_fence.extend(c.block_ids)
+            else:
+                job.fenced.extend(c.block_ids)
+        for bid in job.fenced:
+            self._block_jobs.setdefault(bid, set()).add(job_id)
+        if st.req.is_finished():
+            self._fence_deferred(job_id, job)
+        self.stats.store_jobs += 1
+        return TransferJob(job_id, st.req.request_id, True, copies)
+
+    def _fence_deferred(self, job_id: int, job: _Job) -> None:
+        for bid in job.deferred_fence:
+            self._block_jobs.setdefault(bid, set()).add(job_id)
+            if bid in self._allocated:
+                self._flush.add(job_id)
+
+    def _boundary_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
+        """Mamba align states, only from the scheduler's exact hand-offs (R25, §3.8 B)."""
+        state = getattr(so, "kv_connector_block_state", None)
+        offers = state.boundary_state_offloads if state else None
+        if not offers:
+            return []
+        jobs = []
+        for req_id, entries in offers.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            max_boundary = semantics.offloadable_tokens(
+                num_computed=st.req.num_tokens, num_scheduled=0, num_tokens=st.req.num_tokens,
+                num_prompt_tokens=st.req.num_prompt_tokens, finished=False, aborted=False,
+                offload_prompt_only=self.offload_prompt_only, max_offload_tokens=st.max_offload_tokens,
+            )
+            for t in semantics.plan_boundary_stores(
+                self.layout, entries, offloadable=max_boundary, block_hashes=st.req.block_hashes
+            ):
+                slots = self.hierarchy.prepare_store([t.key])
+                if slots is None:
+                    self.stats.allocation_failures += 1
+                    continue
+                if t.key not in slots:
+                    continue
+                job_id = self._new_job(st, is_store=True, keys=[t.key])
+                self._jobs[job_id].fenced.extend(t.block_ids)
+                for bid in t.block_ids:
+                    self._block_jobs.setdefault(bid, set()).add(job_id)
+                jobs.append(
+                    TransferJob(job_id, req_id, True, [ChunkCopy(t.group, slots[t.key], t.first_block_in_chunk, tuple(t.block_ids))])
+                )
+        return jobs
+
+    # ------------------------------------------------------------- completions
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        meta = out.kv_connector_worker_meta
+        if not isinstance(meta, StrataWorkerMetadata):
+            return
+        self.stats.record_transfers(meta)
+        done = dict(meta.completed)
+        for job_id, n in meta.failed.items():
+            done[job_id] = done.get(job_id, 0) + n
+        for job_id, n in done.items():
+            if job_id < self._stale_below or job_id not in self._jobs:
+                continue
+            job = self._jobs[job_id]
+            job.pending -= n
+            if job.pending > 0:
+                continue
+            ok = job_id not in meta.failed
+            self._finish_job(job_id, job, ok)
+
+    def _finish_job(self, job_id: int, job: _Job, ok: bool) -> None:
+        st = self._reqs.get(job.req_id)
+        if job.is_store:
+            self.hierarchy.complete_store(job.keys, success=ok)
+            if not ok:
+                self.stats.store_failures += 1
+        else:
+            self.hierarchy.complete_load(job.keys)
+            if self._being_loaded:
+                self._being_loaded.difference_update(job.keys)
+            if not ok:
+                self.stats.load_failures += 1
+        for bid in chain(job.fenced, job.deferred_fence):
+            jobs = self._block_jobs.get(bid)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._block_jobs[bid]
+        del self._jobs[job_id]
+        if st is not None:
+            st.jobs.discard(job_id)
+            if st.finished_signaled and not st.jobs:
+                del self._reqs[job.req_id]
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return False, None
+        # The final hash may have just appeared: the next build_connector_meta stores the tail
+        # (finish-time tail promotion, R29/R38).
+        self._refresh_keys(st)
+        for job_id in st.jobs:
+            job = self._jobs[job_id]
+            for bid in job.deferred_fence:
+                self._block_jobs.setdefault(bid, set()).add(job_id)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._jobs)
+
+    def reset_cache(self) -> None:
+        """``reset_prefix_cache(reset_connector=True)``: forget the host tier and in-flight jobs.
+
+        The disk tier is a persistent store and survives (``kvstrata purge`` empties it).
+        """
+        self._flush.update(self._jobs)
+        for req_id, st in list(self._reqs.items()):
+            if st.req.is_finished():
+                del self._reqs[req_id]
+        for st in self._reqs.values():
+            st.jobs.clear()
+            for gs in st.groups.values():
+                gs.next_stored_chunk = 0
+        self._stale_below = self._next_job
+        self._jobs.clear()
+        self._block_jobs.clear()
+        if self._being_loaded is not None:
+            self._being_loaded.clear()
+        self.hierarchy.reset()
+
+    def take_stats(self) -> StrataStats | None:
+        self.stats.tiers = self.hierarchy.stats()
+        out, self.stats = self.stats, StrataStats()
+        return out
+
+    def shutdown(self) -> None:
+        self.hierarchy.close()

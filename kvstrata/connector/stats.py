@@ -1,0 +1,133 @@
+"""Connector statistics through vLLM's connector-stats hooks and Prometheus metrics.
+
+``StrataStats.data`` is a flat dict of counters (summed when aggregated) plus a few observation lists
+(latencies), so it survives vLLM's serialisation between the engine core and the logger process.
+Tier gauges (bytes and chunks per tier) are snapshots: the newest one wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+COUNTERS = {
+    "lookups": "Prefix lookups answered by kvstrata",
+    "lookup_deferrals": "Lookups deferred while a disk->host promotion or store was in flight",
+    "hit_tokens": "Tokens served from kvstrata (all tiers)",
+    "hit_tokens_host": "Tokens served from the host tier",
+    "hit_tokens_disk": "Tokens served after promotion from the disk tier",
+    "load_jobs": "Load jobs (device <- host)",
+    "store_jobs": "Store jobs (device -> host)",
+    "bytes_loaded": "Bytes copied host -> device",
+    "bytes_stored": "Bytes copied device -> host",
+    "load_seconds": "Seconds spent in host -> device copies",
+    "store_seconds": "Seconds spent in device -> host copies",
+    "allocation_failures": "Stores refused: no free host slot",
+    "load_failures": "Load jobs that failed (request recomputed)",
+    "store_failures": "Store jobs that failed",
+}
+# Cumulative tier figures from the hierarchy (snapshots, not summed).
+GAUGES = (
+    "host_chunks", "host_bytes", "disk_entries", "disk_raw_bytes", "disk_stored_bytes",
+    "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt",
+    "promotions", "writes_behind",
+)
+_OBS = "lookup_delay_s"
+
+
+@dataclass
+class StrataStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+        self.data.setdefault(_OBS, [])
+
+    def __getattr__(self, name: str) -> Any:
+        if name in COUNTERS:
+            return self.data[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in COUNTERS:
+            self.data[name] = value
+        elif name == "tiers":
+            for key in GAUGES:
+                if isinstance(value, dict) and key in value:
+                    self.data[key] = value[key]
+        else:
+            super().__setattr__(name, value)
+
+    def observe_lookup_delay(self, seconds: float) -> None:
+        self.data[_OBS].append(seconds)
+
+    def record_transfers(self, meta: Any) -> None:
+        self.data["bytes_loaded"] += meta.bytes_loaded
+        self.data["bytes_stored"] += meta.bytes_stored
+        self.data["load_seconds"] += meta.load_seconds
+        self.data["store_seconds"] += meta.store_seconds
+
+    def reset(self) -> None:
+        self.data = {}
+        self.__post_init__()
+
+    def aggregate(self, other: KVConnectorStats) -> StrataStats:
+        for key, value in other.data.items():
+            if key in COUNTERS:
+                self.data[key] = self.data.get(key, 0) + value
+            elif key == _OBS:
+                self.data[_OBS] = [*self.data.get(_OBS, []), *value]
+            else:
+                self.data[key] = value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if k != _OBS}
+        delays = sorted(self.data.get(_OBS, []))
+        if delays:
+            out["lookup_delay_p50_ms"] = round(1e3 * delays[len(delays) // 2], 3)
+            out["lookup_delay_max_ms"] = round(1e3 * delays[-1], 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in COUNTERS) and not self.data.get(_OBS)
+
+
+class StrataPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvstrata_*`` counters and gauges, one series per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._per_engine(self._counter_cls(
+                name=f"vllm:kvstrata_{name}", documentation=doc, labelnames=labelnames))
+            for name, doc in COUNTERS.items()
+        }
+        self._gauges = {
+            name: self._per_engine(self._gauge_cls(
+                name=f"vllm:kvstrata_{name}", documentation=f"kvstrata tier figure {name}",
+                labelnames=labelnames, multiprocess_mode="mostrecent"))
+            for name in GAUGES
+        }
+        self._lookup_delay = self._per_engine(self._histogram_cls(
+            name="vllm:kvstrata_lookup_delay_seconds",
+            documentation="Time from a request's first kvstrata lookup to its answer",
+            labelnames=labelnames,
+            buckets=[0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0],
+        ))
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self._counters and value:
+                self._counters[name][engine_idx].inc(value)
+            elif name in self._gauges:
+                self._gauges[name][engine_idx].set(value)
+        for seconds in transfer_stats_data.get(_OBS, ()):
+            self._lookup_delay[engine_idx].observe(seconds)

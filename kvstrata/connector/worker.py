@@ -1,0 +1,135 @@
+"""Worker side of the connector: copies pages between vLLM's KV tensors and host slots.
+
+The worker holds no cache state. It executes the scheduler's jobs through the ``DeviceStager``
+(dedicated copy streams on CUDA/XPU, plain copies on CPU) and reports which jobs finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, TransferJob
+from kvstrata.connector.plan import KVPlan
+from kvstrata.tiers.device import DeviceStager
+from kvstrata.tiers.host import HostSlab
+
+logger = logging.getLogger(__name__)
+
+
+class StrataWorker:
+    def __init__(self, plan: KVPlan, kv_cache_config: KVCacheConfig):
+        self.plan = plan
+        self.kv_cache_config = kv_cache_config
+        self.slab: HostSlab | None = None
+        self.stager: DeviceStager | None = None
+        self._submitted: dict[int, TransferJob] = {}
+        self._started: dict[int, float] = {}
+        self._meta = StrataWorkerMetadata()
+        self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        plan = self.plan
+        self.slab = HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
+        self.slab.pin()
+        # The stager indexes groups by position: give it every group of the engine (a chunk
+        # copy names its vLLM group index); only offloaded groups ever appear in jobs.
+        groups = self.kv_cache_config.kv_cache_groups
+        self.stager = DeviceStager(
+            kv_caches,
+            [[n for n in g.layer_names if n in kv_caches] for g in groups],
+            self.slab,
+            num_blocks=self.kv_cache_config.num_blocks,
+            blocks_per_chunk=plan.blocks_per_chunk,
+            shard_bytes=plan.shard_bytes,
+            shard_index=plan.rank,
+            group_page_bytes=[_page_bytes_or(plan, i, kv_caches, g.layer_names) for i, g in enumerate(groups)],
+        )
+
+    # A store job read in a later step could copy a block that was re-allocated meanwhile; the
+    # scheduler lists such jobs in ``flush`` and we finish them before this step's forward.
+    def handle_preemptions(self, meta: StrataMetadata) -> None:
+        if not meta.flush:
+            return
+        for job in meta.stores:
+            if job.job_id in meta.flush and job.job_id not in self._submitted:
+                self._submit(job)
+        waiting = [j for j in meta.flush if j in self._submitted]
+        if waiting:
+            assert self.stager is not None
+            self.stager.wait(waiting)
+
+    def start_load_kv(self, meta: StrataMetadata) -> None:
+        for job in meta.loads:
+            self._submit(job)
+
+    def wait_for_save(self, meta: StrataMetadata) -> None:
+        # Called after this step's forward: the pages of this step's tokens are written (on
+        # accelerators the copy stream waits for the compute stream's work so far).
+        for job in meta.stores:
+            if job.job_id not in self._submitted:
+                self._submit(job)
+
+    def _submit(self, job: TransferJob) -> None:
+        assert self.stager is not None, "register_kv_caches was not called"
+        self._submitted[job.job_id] = job
+        self._started[job.job_id] = time.perf_counter()
+        copies = [(c.group, c.slot, c.first_block, c.block_ids) for c in job.copies]
+        if job.is_store:
+            self.stager.store(job.job_id, copies)
+        else:
+            # The request only runs once this load is reported finished; on accelerators also
+            # order the compute stream after it, so no forward can read a half-copied block.
+            self.stager.load(job.job_id, copies, before_compute=True)
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for vLLM."""
+        if self.stager is None:
+            return set(), set(), set()
+        for job_id, ok in self.stager.poll():
+            job = self._submitted.pop(job_id)
+            elapsed = time.perf_counter() - self._started.pop(job_id)
+            nbytes = self._job_bytes(job)
+            target = self._meta.completed if ok else self._meta.failed
+            target[job_id] = target.get(job_id, 0) + 1
+            if job.is_store:
+                self._meta.bytes_stored += nbytes if ok else 0
+                self._meta.store_seconds += elapsed
+            else:
+                self._meta.bytes_loaded += nbytes if ok else 0
+                self._meta.load_seconds += elapsed
+                self._finished_loads.add(job.req_id)
+                if not ok:
+                    logger.warning("kvstrata: load job %d for request %s failed; recomputing", job_id, job.req_id)
+                    self._failed_loads.add(job.req_id)
+        recving, failed = self._finished_loads, self._failed_loads
+        self._finished_loads, self._failed_loads = set(), set()
+        return set(), recving, failed
+
+    def _job_bytes(self, job: TransferJob) -> int:
+        return sum(len(c.block_ids) * len(self.plan.group(c.group).layer_names) * self.plan.group(c.group).page_bytes for c in job.copies)
+
+    def build_worker_meta(self) -> StrataWorkerMetadata:
+        # Always an object (possibly empty): vLLM aggregates one per worker.
+        meta, self._meta = self._meta, StrataWorkerMetadata()
+        return meta
+
+    def shutdown(self) -> None:
+        if self.stager is not None:
+            self.stager.wait(list(self._submitted))
+            self.stager.close()
+        if self.slab is not None:
+            self.slab.close()
+
+
+def _page_bytes_or(plan: KVPlan, index: int, kv_caches: dict[str, torch.Tensor], layers: list[str]) -> int:
+    """The plan's page size for offloaded groups (checked against the tensors by the stager)."""
+    for g in plan.groups:
+        if g.index == index:
+            return g.page_bytes
+    t = kv_caches[layers[0]]
+    return t[0].numel() * t.element_size()

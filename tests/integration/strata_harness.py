@@ -1,0 +1,310 @@
+"""Drive vLLM 0.32.0's real Scheduler with kvstrata's connector on CPU (reference §5.1).
+
+The scheduler is vLLM's own (real block pool, prefix cache, hybrid KV cache manager); the worker is
+kvstrata's real worker connector over real CPU KV tensors allocated exactly as vLLM allocates them.
+Only the model forward is emulated: after each step, every page a request just computed is filled
+with a value derived from that block's prefix hash, its group and its layer. A load is then checked
+byte-for-byte: a loaded page must hold the value of the block it claims to be.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest.mock import MagicMock
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.forward_context import ForwardContext
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvstrata.connector.connector import StrataConnector
+
+EOS = 50256
+HEADS, HEAD = 2, 16
+
+
+def write_model_dir(path: Path) -> Path:
+    """A local config.json so ModelConfig needs no hub (no weights: the scheduler never runs them)."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 60000, "max_position_embeddings": 16384,
+        "torch_dtype": "float32", "rms_norm_eps": 1e-5, "eos_token_id": EOS, "bos_token_id": 1,
+    }
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@dataclass(frozen=True)
+class G:
+    """One KV cache group of a test configuration."""
+
+    kind: str  # "full" | "sw" | "mamba"
+    block_size: int
+    window: int = 0
+    eagle: bool = False
+    layers: int = 2
+
+
+def kv_cache_config(groups: list[G], num_blocks: int) -> KVCacheConfig:
+    specs = []
+    for i, g in enumerate(groups):
+        names = [f"g{i}.l{j}" for j in range(g.layers)]
+        if g.kind == "full":
+            spec: Any = FullAttentionSpec(block_size=g.block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16)
+        elif g.kind == "sw":
+            spec = SlidingWindowSpec(block_size=g.block_size, num_kv_heads=HEADS, head_size=HEAD,
+                                     dtype=torch.float16, sliding_window=g.window)
+        else:
+            attn_page = 2 * HEADS * g.block_size * 2 * HEAD  # fp16 K+V, same as the attention pages
+            spec = MambaSpec(block_size=g.block_size, shapes=((4, 8),), dtypes=(torch.float32,),
+                             page_size_padded=attn_page, mamba_cache_mode="align")
+        specs.append(KVCacheGroupSpec(names, spec, is_eagle_group=g.eagle))
+    # As vLLM's hybrid allocator lays it out (layer-outer): one tensor per group, the group's layers
+    # back to back, and every group aliasing the same bytes from offset 0.
+    size = max(s.kv_cache_spec.page_size_bytes * len(s.layer_names) for s in specs) * num_blocks
+    tensors = [
+        KVCacheTensor(size=size, layers=list(s.layer_names),
+                      layer_stride=s.kv_cache_spec.page_size_bytes * num_blocks,
+                      block_stride=s.kv_cache_spec.page_size_bytes, offset=0)
+        for s in specs
+    ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=specs)
+
+
+def vllm_config(model_dir: Path, store: Path, *, block_size: int, extra: dict[str, Any] | None = None,
+                spec_decode: bool = False, retention: int | None = None,
+                max_num_batched_tokens: int = 4096, hash_algo: str = "sha256",
+                mamba: bool = False) -> VllmConfig:
+    model = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True,
+                        max_model_len=8192)
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=8192, enable_chunked_prefill=True, is_encoder_decoder=False,
+                            disable_hybrid_kv_cache_manager=False)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                        prefix_caching_hash_algo=hash_algo)
+    cache.kv_cache_layout = "LBHNC"
+    cache.prefix_cache_retention_interval = retention
+    if mamba:
+        cache.mamba_cache_mode = "align"  # states kept at block boundaries and handed off
+    kvt = KVTransferConfig(
+        kv_connector="StrataConnector", kv_connector_module_path="kvstrata.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"store_path": str(store), "host_bytes": 64 << 20, **(extra or {})},
+        kv_load_failure_policy="recompute",
+    )
+    cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
+                     kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+    if spec_decode:
+        spec = MagicMock()
+        spec.use_eagle_block_drop.return_value = True
+        spec.use_eagle.return_value = True
+        spec.num_speculative_tokens = 1
+        spec.num_speculative_tokens_per_batch_size = None
+        spec.max_num_new_slots_for_drafting = 1
+        cfg.speculative_config = spec
+    return cfg
+
+
+def page_value(block_hash: bytes, group: int, layer: int) -> int:
+    return (int.from_bytes(sha256((block_hash, group, layer))[:4], "big") % 120) + 1  # 1..120: exact in int8 and fp16
+
+
+@dataclass
+class Runner:
+    """One engine: the real Scheduler, kvstrata's scheduler and worker connectors, real KV tensors."""
+
+    groups: list[G]
+    model_dir: Path
+    store: Path
+    num_blocks: int = 400
+    extra: dict[str, Any] = field(default_factory=dict)
+    spec_decode: bool = False
+    retention: int | None = None
+    max_num_batched_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        block_size = max(g.block_size for g in self.groups)
+        self.config = vllm_config(self.model_dir, self.store, block_size=block_size, extra=self.extra,
+                                  spec_decode=self.spec_decode, retention=self.retention,
+                                  max_num_batched_tokens=self.max_num_batched_tokens,
+                                  mamba=any(g.kind == "mamba" for g in self.groups))
+        self.kv_config = kv_cache_config(self.groups, self.num_blocks)
+        self.config.cache_config.num_gpu_blocks = self.num_blocks
+        sched_block, hash_block = resolve_kv_cache_block_sizes(self.kv_config, self.config)
+        self.hash_block = hash_block
+        with set_current_vllm_config(self.config):
+            self.scheduler = Scheduler(
+                vllm_config=self.config, kv_cache_config=self.kv_config,
+                structured_output_manager=StructuredOutputManager(self.config),
+                block_size=sched_block, hash_block_size=hash_block, log_stats=True,
+            )
+            self.worker = StrataConnector(self.config, KVConnectorRole.WORKER, self.kv_config)
+            self.kv = allocate_kv_cache(self.kv_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+            self.worker.register_kv_caches(self.kv)
+        self.connector = self.scheduler.connector
+        assert isinstance(self.connector, StrataConnector)
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(hash_block, sha256)
+        self._next_id = 0
+        self.loaded_tokens: dict[str, int] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.load_errors: list[str] = []
+        self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+
+    # ----------------------------------------------------------------- requests
+    def add(self, prompt: list[int], max_tokens: int = 1) -> Request:
+        self._next_id += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        params.update_from_generation_config({}, EOS)
+        req = Request(request_id=f"r{self._next_id}", prompt_token_ids=list(prompt),
+                      sampling_params=params, pooling_params=None, block_hasher=self._hasher)
+        self.scheduler.add_request(req)
+        self.outputs[req.request_id] = []
+        return req
+
+    def run_until_idle(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self.connector.has_pending_push_work():
+                return
+            self.step()
+        raise AssertionError("engine did not go idle")
+
+    def serve(self, prompt: list[int], max_tokens: int = 1) -> int:
+        """Run one request to completion; return the tokens kvstrata loaded for it."""
+        req = self.add(prompt, max_tokens)
+        self.run_until_idle()
+        return self.loaded_tokens.get(req.request_id, 0)
+
+    def drop_gpu_prefix_cache(self) -> None:
+        assert self.scheduler.reset_prefix_cache()
+
+    # -------------------------------------------------------------------- steps
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        for req_id, n in self._new_loads(so).items():
+            self.loaded_tokens[req_id] = n
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(self._ctx)
+        self._emulate_forward(so)
+        w.wait_for_save()
+        results = w.get_transfer_results(so.finished_req_ids)
+        wmeta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        for req_id in results.finished_recving:
+            if req_id in self.scheduler.requests and req_id not in results.failed_recving:
+                self._check_loaded_pages(self.scheduler.requests[req_id])
+        reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens]
+        out = ModelRunnerOutput(
+            req_ids=[r.request_id for r in reqs],
+            req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
+            sampled_token_ids=[[self._next_token(r)] for r in reqs],
+            logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving, kv_connector_worker_meta=wmeta,
+            ),
+        )
+        self.scheduler.update_from_output(so, out)
+
+    def _new_loads(self, so: Any) -> dict[str, int]:
+        loads = {}
+        for job in so.kv_connector_metadata.loads:
+            req = self.scheduler.requests[job.req_id]
+            loads[job.req_id] = req.num_computed_tokens - self._local_hit(req)
+        return loads
+
+    def _local_hit(self, req: Request) -> int:
+        st = self.connector.scheduler._reqs.get(req.request_id)
+        return st.num_local if st is not None else 0
+
+    @staticmethod
+    def _next_token(req: Request) -> int:
+        # Deterministic "model": the next token is a function of the sequence length.
+        return 1000 + (req.num_tokens * 7919) % 50000
+
+    def _block_hash_at(self, req: Request, end_token: int) -> bytes | None:
+        idx = end_token // self.hash_block - 1
+        if idx < 0 or idx >= len(req.block_hashes):
+            return None
+        return bytes(req.block_hashes[idx])
+
+    def _group_pages(self, g: int, block_id: int) -> Iterable[tuple[int, torch.Tensor]]:
+        for layer, name in enumerate(self.kv_config.kv_cache_groups[g].layer_names):
+            yield layer, self.kv[name][block_id]
+
+    def _emulate_forward(self, so: Any) -> None:
+        """Write every block page completed by this step with its deterministic value."""
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            # schedule() already advanced num_computed_tokens past this step's tokens.
+            start, end = req.num_computed_tokens - n, req.num_computed_tokens
+            ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for g, spec in enumerate(self.kv_config.kv_cache_groups):
+                bs = spec.kv_cache_spec.block_size
+                for b in range(start // bs, end // bs):
+                    if b >= len(ids[g]) or ids[g][b] == 0:
+                        continue
+                    h = self._block_hash_at(req, (b + 1) * bs)
+                    if h is None:
+                        continue
+                    for layer, page in self._group_pages(g, ids[g][b]):
+                        page.fill_(page_value(h, g, layer))
+
+    def _check_loaded_pages(self, req: Request) -> None:
+        """Every non-null block below the loaded boundary must hold its own block's value."""
+        ids = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)
+        cached = req.num_computed_tokens
+        local = self._local_hit(req)
+        for g, spec in enumerate(self.kv_config.kv_cache_groups):
+            bs = spec.kv_cache_spec.block_size
+            for b in range(local // bs, cached // bs):
+                if b >= len(ids[g]) or ids[g][b] == 0:
+                    continue
+                h = self._block_hash_at(req, (b + 1) * bs)
+                for layer, page in self._group_pages(g, ids[g][b]):
+                    want = page_value(h, g, layer)
+                    got = int(page.flatten()[0].item())
+                    if got != want:
+                        self.load_errors.append(f"{req.request_id} g{g} block {b}: {got} != {want}")
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()

@@ -1,0 +1,179 @@
+"""kvstrata's connector under vLLM 0.32.0's real Scheduler (reference §5), on CPU.
+
+Every scenario stores through a real request, finishes it, drops vLLM's GPU prefix cache, and checks
+the next request is served the number of tokens the rules give (worked out in each test) — with the
+loaded pages checked byte-for-byte by the harness.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from strata_harness import G, Runner, write_model_dir
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def runners(model_dir: Path, tmp_path: Path) -> Iterator:
+    made: list[Runner] = []
+
+    def make(groups: list[G], store: Path | None = None, **kw) -> Runner:
+        r = Runner(groups, model_dir, store or tmp_path / "store", **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 50000 + 10 for i in range(n)]
+
+
+def _store_then_serve(r: Runner, prompt: list[int], max_tokens: int = 1, again: list[int] | None = None) -> int:
+    assert r.serve(prompt, max_tokens) == 0  # nothing stored yet
+    r.drop_gpu_prefix_cache()
+    served = r.serve(again or prompt, 1)
+    assert r.load_errors == [], r.load_errors
+    return served
+
+
+# (groups, spec_decode, prompt length, expected served tokens). Block sizes 16, one block per chunk.
+#  - FA only, 100 tokens: 6 complete chunks -> 96 (FA-only hits may reach the whole prompt).
+#  - FA + SW(32): windowed groups cap the hit at 99 -> 96; the SW window (2 chunks) ends there.
+#  - FA + Mamba align: cap 99, rounded down to the Mamba chunk (16) -> 96; state@96 handed off.
+#  - annotated eagle FA group: widening cannot pass the 6th key -> 6 hits, pop one -> 80.
+#  - spec decode on, no group annotated: behaves as without speculation (52735 defect 1) — except
+#    that under EAGLE block dropping vLLM's scheduler hands off the Mamba state one block earlier
+#    (state@80, not @96), so a Mamba hybrid serves 80.
+SCENARIOS = [
+    ("fa", [G("full", 16)], False, 100, 96),
+    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], False, 100, 96),
+    ("fa-mamba", [G("full", 16), G("mamba", 16)], False, 100, 96),
+    ("fa+eagle", [G("full", 16), G("full", 16, eagle=True)], True, 100, 80),
+    ("fa-sw+eagle-sw", [G("full", 16), G("sw", 16, window=32, eagle=True)], True, 100, 80),
+    ("fa-mamba+eagle", [G("full", 16, eagle=True), G("mamba", 16)], True, 100, 80),
+    ("fa-spec-unannotated", [G("full", 16)], True, 100, 96),
+    ("fa-sw-spec-unannotated", [G("full", 16), G("sw", 16, window=32)], True, 100, 96),
+    ("fa-mamba-spec-unannotated", [G("full", 16), G("mamba", 16)], True, 100, 80),
+]
+
+
+@pytest.mark.parametrize(("name", "groups", "spec", "n", "expected"), SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_store_finish_drop_serve(runners, name, groups, spec, n, expected) -> None:
+    r = runners(groups, spec_decode=spec)
+    assert _store_then_serve(r, _prompt(n)) == expected
+
+
+def test_prefix_of_a_longer_prompt_is_served(runners) -> None:
+    r = runners([G("full", 16)])
+    base = _prompt(200)
+    assert _store_then_serve(r, base[:130], again=base) == 128
+
+
+def test_served_chunks_come_from_disk_after_restart(runners, tmp_path: Path) -> None:
+    store = tmp_path / "persist"
+    first = runners([G("full", 16), G("sw", 16, window=32)], store=store)
+    first.serve(_prompt(100), 1)
+    first.close()  # clean shutdown drains write-behind
+    second = runners([G("full", 16), G("sw", 16, window=32)], store=store)
+    assert second.serve(_prompt(100), 1) == 96
+    assert second.load_errors == []
+    assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] > 0
+
+
+def test_other_model_layout_gets_zero_hits(runners, tmp_path: Path) -> None:
+    store = tmp_path / "shared"
+    a = runners([G("full", 16)], store=store)
+    a.serve(_prompt(100), 1)
+    a.close()
+    # Same tokens, same block hashes, but the KV has another layout (more layers): never served.
+    b = runners([G("full", 16, layers=3)], store=store)
+    assert b.serve(_prompt(100), 1) == 0
+
+
+# ---------------------------------------------------------------- vLLM issue 52735 regressions
+def _decode_then_extend(r: Runner, prompt_len: int, decode: int, lookup_len: int) -> int:
+    """Run a request that decodes (so the scheduler hands off Mamba states past the prompt), drop
+    the GPU cache, then serve a request whose prompt is the first ``lookup_len`` tokens of it."""
+    prompt = _prompt(prompt_len)
+    req = r.add(prompt, max_tokens=decode)
+    r.run_until_idle()
+    seq = prompt + list(req.output_token_ids)
+    r.drop_gpu_prefix_cache()
+    served = r.serve(seq[:lookup_len], 1)
+    assert r.load_errors == []
+    return served
+
+
+def test_52735_no_all_groups_fallback(runners) -> None:
+    """Spec decode on, nothing annotated. Lookup prompt 160 tokens: cap 159 -> 128 (Mamba chunk 64).
+    FA hits 8 chunks, the Mamba state @128 serves: 128. Treating every group as a drafter (vLLM's
+    former fallback) pops the FA chunk and makes the Mamba group need two consecutive states and pop
+    one: 64."""
+    r = runners([G("full", 16), G("mamba", 64)], spec_decode=True, extra={"offload_prompt_only": False})
+    assert _decode_then_extend(r, 150, 20, 160) == 128
+
+
+def test_52735_full_attention_drafter_is_widened(runners) -> None:
+    """FA16 drafter + Mamba64, lookup prompt 160: cap 128. Widened, the drafter queries 144 tokens
+    (9 chunks), pops to 128 and the Mamba state @128 serves: 128. Without widening for
+    full-attention drafters it pops to 112, below the Mamba boundary, and only the state @64 can
+    serve: 64 (0 in vLLM issue 52735's configuration, where no earlier state existed)."""
+    r = runners([G("full", 16, eagle=True), G("mamba", 64)], spec_decode=True, extra={"offload_prompt_only": False})
+    assert _decode_then_extend(r, 150, 20, 160) == 128
+
+
+def test_52735_drafter_tail_is_stored_at_finish(runners) -> None:
+    """A decoding drafter group holds back its last chunk; at finish it must be stored.
+
+    Prompt 40 + 30 decoded tokens: the sequence has 70 tokens, the KV of 69 exists at finish ->
+    4 complete chunks in both groups, the drafter's 4th only thanks to finish-time promotion.
+    The next request extends those 70 tokens to 90 (5 keys): FA hits 4 chunks; the drafter group,
+    widened to 5, hits 4 and pops one -> 3 chunks = 48 tokens. Without the promotion the drafter
+    holds 3 chunks, pops to 2 -> 32.
+    """
+    r = runners([G("full", 16), G("full", 16, eagle=True)], spec_decode=True, extra={"offload_prompt_only": False})
+    prompt = _prompt(40)
+    req = r.add(prompt, max_tokens=30)
+    r.run_until_idle()
+    seq = prompt + list(req.output_token_ids)
+    assert len(seq) == 70
+    r.drop_gpu_prefix_cache()
+    assert r.serve(seq + _prompt(20, seed=9), 1) == 48
+    assert r.load_errors == []
+
+
+def test_unknown_option_is_an_error_naming_it(model_dir: Path, tmp_path: Path) -> None:
+    from kvstrata.connector.config import ConfigError
+
+    with pytest.raises(ConfigError, match="hots_bytes"):
+        Runner([G("full", 16)], model_dir, tmp_path / "s", extra={"hots_bytes": 1})
+
+
+def test_random_hash_seed_keeps_a_session_only_store(model_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import strata_harness
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    real = strata_harness.vllm_config
+    monkeypatch.setattr(strata_harness, "vllm_config", lambda *a, **k: real(*a, **{**k, "hash_algo": "xxhash"}))
+    with caplog.at_level(logging.WARNING, logger="kvstrata"):
+        r = Runner([G("full", 16)], model_dir, tmp_path / "s")
+    try:
+        assert "session-only" in caplog.text
+        assert not (tmp_path / "s").exists()  # the configured persistent store is left alone
+        assert r.connector.plan.persistent is False
+    finally:
+        r.close()
