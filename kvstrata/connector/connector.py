@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvstrata")
 
 
-def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, Path | None]:
+def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, list[Any], Path | None]:
     """The scheduler's tier stack: host slab + pool, LMDB disk store, the I/O pipeline.
 
-    Returns the hierarchy and, for a session-only store, the temporary directory to remove.
+    Returns the hierarchy, what to close after it (disk store, slab), and for a session-only store
+    the temporary directory to remove.
     """
     from kvstrata.tiers.disk import DiskStore
     from kvstrata.tiers.hierarchy import Hierarchy
@@ -94,7 +95,7 @@ def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, Path | None]:
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.io_threads,
     )
-    return hierarchy, session_dir
+    return hierarchy, [c for c in (disk, slab) if c is not None], session_dir
 
 
 class StrataConnector(KVConnectorBase_V1, SupportsHMA):
@@ -108,10 +109,11 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: StrataScheduler | None = None
         self._worker: StrataWorker | None = None
         self._session_dir: Path | None = None
+        self._owned: list[Any] = []
         if role == KVConnectorRole.SCHEDULER:
             from kvstrata.connector.scheduler import StrataScheduler
 
-            hierarchy, self._session_dir = build_hierarchy(self.plan, self.cfg)
+            hierarchy, self._owned, self._session_dir = build_hierarchy(self.plan, self.cfg)
             self._scheduler = StrataScheduler(
                 self.plan,
                 hierarchy,
@@ -260,6 +262,12 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
-            self._scheduler.shutdown()
+            self._scheduler.shutdown()  # drains write-behind first
+            self._scheduler = None
+        for resource in self._owned:  # disk store, then the host slab
+            resource.close()
+        if self._owned:
+            self._owned[-1].unlink()  # the scheduler created the slab; mappings stay valid
+            self._owned = []
         if self._session_dir is not None:
             shutil.rmtree(self._session_dir, ignore_errors=True)

@@ -54,6 +54,7 @@ class _RequestState:
     promoted: set[bytes] = field(default_factory=set)
     load_keys: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, key)
     lookup_started: float | None = None
+    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class StrataScheduler:
         self._being_loaded: set[bytes] | None = set() if prefix_caching else None
         self._windowed = tuple(g.index for g in self.layout.groups if g.kind is not semantics.GroupKind.FULL)
         self.stats = StrataStats()
+        self._tiers_at = 0.0
 
     # ---------------------------------------------------------------- requests
     def on_new_request(self, request: Request) -> None:
@@ -155,10 +157,11 @@ class StrataScheduler:
         return hit, hit > 0
 
     def get_external_cache_hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
+        st = self._reqs.get(request.request_id)
+        return dict(st.hit_sources) if st is not None and num_external else {}
+
+    def _attribute_hit(self, st: _RequestState, num_external: int) -> None:
         """Tokens per tier: chunks promoted from disk for this request count as DISK, else HOST."""
-        if num_external == 0:
-            return {}
-        st = self._reqs[request.request_id]
         start, end = st.num_local, st.num_local + num_external
         disk = 0
         covered: set[tuple[int, int]] = set()
@@ -168,12 +171,13 @@ class StrataScheduler:
                 covered.add((lo, hi))
                 disk += hi - lo
         disk = min(disk, num_external)
-        out = {}
+        self.stats.hit_tokens_disk += disk
+        self.stats.hit_tokens_host += num_external - disk
+        st.hit_sources = {}
         if disk:
-            out[CacheHitSource.DISK] = disk
+            st.hit_sources[CacheHitSource.DISK] = disk
         if num_external - disk:
-            out[CacheHitSource.HOST] = num_external - disk
-        return out
+            st.hit_sources[CacheHitSource.HOST] = num_external - disk
 
     # -------------------------------------------------------------------- load
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -217,6 +221,7 @@ class StrataScheduler:
             for t in transfers
             for g in (self._geom(t.group),)
         ]
+        self._attribute_hit(st, num_external)
         # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32).
         for geom in self.layout.groups:
             st.groups[geom.index].next_stored_chunk = -(-cached // geom.tokens_per_chunk)
@@ -490,7 +495,11 @@ class StrataScheduler:
         self.hierarchy.reset()
 
     def take_stats(self) -> StrataStats | None:
-        self.stats.tiers = self.hierarchy.stats()
+        # vLLM asks every step; tier figures (which read the store) are refreshed once a second.
+        now = time.monotonic()
+        if now - self._tiers_at >= 1.0:
+            self._tiers_at = now
+            self.stats.tiers = self.hierarchy.stats()
         out, self.stats = self.stats, StrataStats()
         return out
 
