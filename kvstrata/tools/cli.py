@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvstrata: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `kvstrata inspect DIR | head`
+        return 0
     except CLIError as exc:
         print(f"kvstrata {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -106,4 +108,7 @@ class CLIError(Exception):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as ``python -m``: import the package's module so tools' CLIError is this same class.
+    from kvstrata.tools.cli import main as _main
+
+    sys.exit(_main())

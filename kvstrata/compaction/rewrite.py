@@ -1,0 +1,174 @@
+"""Rewrite a store's LMDB file compacted, so that the space of deleted records really comes back.
+
+LMDB never shrinks its file: deleted pages only go on a free list for later writes. The way to
+return them to the file system is a compacting copy (``env.copy(compact=True)`` writes live pages
+only) swapped in place of the original. That is safe only while no other process has the store
+open, because an open environment keeps using the old file and its lock table.
+
+Who has the store open is known from the lock file every writable ``DiskStore`` holds a shared
+``flock`` on for as long as it is open: holding it *exclusively* proves no server or tool is
+using the store, and keeps any that starts meanwhile waiting (its ``LOCK_SH`` blocks) until the
+swap is done. Read-only openers (which take no lock) keep reading the file they opened: the old
+inode stays alive and consistent under them.
+
+Crash safety: the copy is written to a temporary directory inside the store, checked, fsynced,
+and renamed over ``data.mdb`` (atomic); the old LMDB lock table is removed *before* the rename so
+no process ever pairs the new file with the old reader table (a new one is created by the next
+opener). An interrupted run leaves the original file untouched and a stale temporary directory,
+removed by the next run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvstrata.compaction import storeaccess as sa
+
+_TMP_PREFIX = ".compact-"
+# The compacted copy needs room for the live pages; keep this much spare on top.
+_SPACE_MARGIN = 64 << 20
+
+
+class StoreBusyError(Exception):
+    """Another process has the store open, so its file cannot be replaced now."""
+
+
+class RewriteError(Exception):
+    """The compacted copy could not be made or did not check out; the store is unchanged."""
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    file_bytes_before: int
+    file_bytes_after: int
+
+    @property
+    def reclaimed_bytes(self) -> int:
+        return self.file_bytes_before - self.file_bytes_after
+
+
+def busy_message(path: Path) -> str:
+    return (
+        f"store at {path} is open by another process (a running server or kvstrata tool); "
+        "rewriting its file needs the store to itself, so nothing was changed. Stop that "
+        "process, or pass --no-rewrite to only evict (safe while it runs; LMDB reuses the freed "
+        "pages but the file keeps its size)"
+    )
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold the store's lock file exclusively, or raise :class:`StoreBusyError` at once."""
+    try:
+        fd = os.open(path / sa.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise RewriteError(f"cannot open the lock file of {path}: {exc.strerror or exc}") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreBusyError(busy_message(path)) from None
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def is_busy(path: Path) -> bool:
+    """True while some process has the store open writable (a server or a writing tool)."""
+    try:
+        with exclusive(path):
+            return False
+    except StoreBusyError:
+        return True
+
+
+@dataclass(frozen=True)
+class _Census:
+    entries: dict[bytes, int]
+    live_bytes: int  # pages of every database: what a compacted copy writes
+
+
+def _census(path: Path) -> _Census:
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        psize = env.stat()["psize"]
+        pages = 2  # the two meta pages
+        entries: dict[bytes, int] = {}
+        with env.begin() as txn:
+            for name in (None, *sa.DB_NAMES):
+                st = txn.stat(env.open_db(name, txn=txn, create=False))
+                pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+                if name is not None:
+                    entries[name] = st["entries"]
+        return _Census(entries, pages * psize)
+    finally:
+        env.close()
+
+
+def _fsync_path(path: Path, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    for stale in path.glob(_TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def rewrite_locked(path: Path) -> RewriteResult:
+    """Compact ``path``'s LMDB file in place. The caller holds :func:`exclusive`."""
+    data = path / sa.DATA_FILE
+    before = data.stat().st_size
+    remove_stale_temporaries(path)
+    try:
+        census = _census(path)
+    except lmdb.Error as exc:
+        raise RewriteError(f"cannot read store at {path}: {exc}") from exc
+    free = shutil.disk_usage(path).free
+    if free < census.live_bytes + _SPACE_MARGIN:
+        raise RewriteError(
+            f"not enough free disk space next to {path} for the compacted copy "
+            f"({census.live_bytes + _SPACE_MARGIN} bytes needed, {free} free); "
+            "the store is unchanged"
+        )
+    tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=path))
+    try:
+        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4, subdir=True)
+        try:
+            env.copy(str(tmp), compact=True)
+        except lmdb.Error as exc:
+            raise RewriteError(
+                f"compacted copy of {path} failed: {exc}; the store is unchanged"
+            ) from exc
+        finally:
+            env.close()
+        copy = tmp / sa.DATA_FILE
+        got = _census(tmp).entries
+        if got != census.entries:
+            raise RewriteError(
+                f"compacted copy of {path} does not match the original ({got} != "
+                f"{census.entries}); the store is unchanged"
+            )
+        os.chmod(copy, stat.S_IMODE(data.stat().st_mode))
+        _fsync_path(copy)
+        # Old reader table first, then the file: no opener can pair the new file with it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / sa.LMDB_LOCK_FILE)
+        os.replace(copy, data)
+        _fsync_path(path, directory=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return RewriteResult(before, data.stat().st_size)

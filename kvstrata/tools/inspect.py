@@ -1,0 +1,252 @@
+"""``kvstrata inspect DIR``: what a store holds, from its index alone (payloads are not read).
+
+Reports the format version and shutdown state, every namespace (fingerprint) with what it
+describes and its chunk counts per KV-cache group, bytes raw and stored, the compression ratio,
+how long ago chunks were last used (a histogram with the cumulative bytes a budget would keep,
+newest first), use of the disk budget, and how much of the file ``kvstrata compact`` would give
+back. The store keeps one timestamp per chunk (stored or last read, whichever is later), so the
+age of a chunk and its last access are the same measure.
+
+Read-only and safe while servers use the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvstrata.compaction import storeaccess as sa
+from kvstrata.compaction import toolsupport as ts
+from kvstrata.connector.config import DEFAULT_DISK_BYTES
+
+# (label, upper bound in seconds since last access)
+AGE_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("<1m", 60),
+    ("<10m", 600),
+    ("<1h", 3600),
+    ("<6h", 6 * 3600),
+    ("<1d", 86400),
+    ("<7d", 7 * 86400),
+    ("<30d", 30 * 86400),
+    (">=30d", float("inf")),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    parser.add_argument(
+        "--budget",
+        type=ts.size_arg,
+        default=None,
+        metavar="BYTES",
+        help="the disk budget the store runs under, e.g. 64GiB (default: the connector's "
+        f"default, {DEFAULT_DISK_BYTES >> 30} GiB)",
+    )
+
+
+@dataclass
+class _NsStats:
+    chunks: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    groups: Counter[int] = field(default_factory=Counter)
+    dtypes: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _Scan:
+    namespaces: dict[bytes, _NsStats] = field(default_factory=dict)
+    ages: list[list[int]] = field(default_factory=lambda: [[0, 0] for _ in AGE_BUCKETS])
+    unreadable: int = 0
+    oldest_tick: int | None = None
+    newest_tick: int | None = None
+
+
+def _bucket(age_s: float) -> int:
+    for i, (_, upper) in enumerate(AGE_BUCKETS):
+        if age_s < upper:
+            return i
+    return len(AGE_BUCKETS) - 1
+
+
+def _scan(store: Any, now_us: int) -> _Scan:
+    out = _Scan()
+    with ts.progress(int(store.stats()["entries"]), "reading the index") as bar:
+        for batch in sa.scan(store, db="index"):
+            for key, value in batch:
+                try:
+                    rec = sa.decode_index(value)
+                except msgspec.DecodeError:
+                    out.unreadable += 1
+                    continue
+                ns = out.namespaces.setdefault(key[: sa.NAMESPACE_BYTES], _NsStats())
+                ns.chunks += 1
+                ns.raw_bytes += rec.raw_len
+                ns.stored_bytes += rec.stored_len
+                ns.groups[rec.group] += 1
+                ns.dtypes[rec.dtype] += 1
+                slot = out.ages[_bucket(max(0, now_us - rec.tick) / 1e6)]
+                slot[0] += 1
+                slot[1] += rec.stored_len
+                out.oldest_tick = rec.tick if out.oldest_tick is None else min(out.oldest_tick, rec.tick)
+                out.newest_tick = rec.tick if out.newest_tick is None else max(out.newest_tick, rec.tick)
+            bar.update(len(batch))
+    return out
+
+
+def _file_census(store: Any) -> dict[str, int]:
+    """File size, the bytes its live pages take, and the difference (free pages)."""
+
+    def body(txn: Any, h: sa.Handles) -> int:
+        pages = 2
+        for db in (h.payload, h.index, h.meta):
+            st = txn.stat(db)
+            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        main = h.env.stat()
+        pages += main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]
+        return pages * main["psize"]
+
+    live = sa.read(store, body)
+    try:
+        file_bytes = (store.path / sa.DATA_FILE).stat().st_size
+    except OSError:
+        file_bytes = 0
+    return {"file_bytes": file_bytes, "live_bytes": live, "reclaimable_bytes": max(0, file_bytes - live)}
+
+
+def _namespace_row(ns: bytes, info: dict[str, Any] | None, st: _NsStats) -> dict[str, Any]:
+    info = info or {}
+    return {
+        "fingerprint": ns.hex(),
+        "registered": bool(info),
+        "model": info.get("model"),
+        "dtype": info.get("dtype"),
+        "kv_cache_dtype": info.get("kv_cache_dtype"),
+        "layout": info.get("kv_cache_layout"),
+        "block_size": info.get("block_size"),
+        "blocks_per_chunk": info.get("blocks_per_chunk"),
+        "tp_rank": info.get("tp_rank"),
+        "tp_size": info.get("tp_size"),
+        "chunks": st.chunks,
+        "chunks_per_group": {str(g): n for g, n in sorted(st.groups.items())},
+        "chunk_dtypes": dict(st.dtypes),
+        "raw_bytes": st.raw_bytes,
+        "stored_bytes": st.stored_bytes,
+        "compression_ratio": round(st.raw_bytes / st.stored_bytes, 4) if st.stored_bytes else None,
+        "info": info,
+    }
+
+
+def inspect_store(path: Path, budget_bytes: int | None) -> dict[str, Any]:
+    store = ts.open_store(path, readonly=True)
+    try:
+        now_us = time.time_ns() // 1000
+        fmt = sa.meta_get(store, sa.META_FORMAT)
+        clean = sa.meta_get(store, sa.META_CLEAN)
+        totals = sa.read(store, sa.read_totals)
+        registered = store.namespaces()
+        scan = _scan(store, now_us)
+        census = _file_census(store)
+    finally:
+        store.close()
+    chunks = sum(s.chunks for s in scan.namespaces.values())
+    raw = sum(s.raw_bytes for s in scan.namespaces.values())
+    stored = sum(s.stored_bytes for s in scan.namespaces.values())
+    budget = budget_bytes if budget_bytes is not None else DEFAULT_DISK_BYTES
+    rows = [
+        _namespace_row(ns, registered.get(ns), scan.namespaces.get(ns, _NsStats()))
+        for ns in sorted(set(registered) | set(scan.namespaces))
+    ]
+    histogram = []
+    cumulative = 0
+    for (label, _), (n, nbytes) in zip(AGE_BUCKETS, scan.ages, strict=True):
+        cumulative += nbytes
+        histogram.append(
+            {"last_access": label, "chunks": n, "stored_bytes": nbytes, "cumulative_stored_bytes": cumulative}
+        )
+    return {
+        "path": str(path),
+        "format_version": int(fmt) if fmt and fmt.isdigit() else (fmt.decode(errors="replace") if fmt else None),
+        "clean_shutdown": None if clean is None else clean == b"1",
+        **census,
+        "chunks": chunks,
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "compression_ratio": round(raw / stored, 4) if stored else None,
+        "budget_bytes": budget,
+        "budget_assumed": budget_bytes is None,
+        "budget_use": round(stored / budget, 6) if budget else None,
+        "totals_consistent": (totals.entries, totals.raw_bytes, totals.stored_bytes) == (chunks, raw, stored),
+        "unreadable_index_records": scan.unreadable,
+        "oldest_access_age_s": None if scan.oldest_tick is None else round((now_us - scan.oldest_tick) / 1e6, 3),
+        "newest_access_age_s": None if scan.newest_tick is None else round((now_us - scan.newest_tick) / 1e6, 3),
+        "namespaces": rows,
+        "age_histogram": histogram,
+    }
+
+
+def _describe(ns: dict[str, Any]) -> str:
+    parts = [
+        f"{label} {ns[name]}"
+        for label, name in (
+            ("dtype", "dtype"),
+            ("kv", "kv_cache_dtype"),
+            ("layout", "layout"),
+            ("block", "block_size"),
+            ("blocks/chunk", "blocks_per_chunk"),
+        )
+        if ns[name] is not None
+    ]
+    if ns["tp_rank"] is not None:
+        parts.append(f"tp rank {ns['tp_rank']}" + (f"/{ns['tp_size']}" if ns["tp_size"] else ""))
+    return f"{ns['model'] or '(unnamed model)'}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    hb = ts.human_bytes
+    state = {True: "closed cleanly", False: "open, or not closed cleanly", None: "never closed"}
+    print(f"store       {r['path']} (format {r['format_version']}, {state[r['clean_shutdown']]})")
+    print(
+        f"file        {hb(r['file_bytes'])} on disk, {hb(r['live_bytes'])} in use, "
+        f"{hb(r['reclaimable_bytes'])} reclaimable by `kvstrata compact`"
+    )
+    ratio = f"{r['compression_ratio']:.2f}x" if r["compression_ratio"] else "n/a"
+    print(f"chunks      {r['chunks']}: {hb(r['raw_bytes'])} raw, {hb(r['stored_bytes'])} stored, ratio {ratio}")
+    assumed = " (the connector's default budget; pass --budget)" if r["budget_assumed"] else ""
+    print(f"budget      {hb(r['stored_bytes'])} of {hb(r['budget_bytes'])} ({100 * r['budget_use']:.1f}%){assumed}")
+    if not r["totals_consistent"]:
+        print("totals      the store's running totals differ from its index: run `kvstrata verify`")
+    if r["unreadable_index_records"]:
+        print(f"damaged     {r['unreadable_index_records']} unreadable index records: run `kvstrata verify`")
+    print("namespaces")
+    if not r["namespaces"]:
+        print("  (none)")
+    for ns in r["namespaces"]:
+        desc = _describe(ns) if ns["registered"] else "(not registered: no description)"
+        groups = ", ".join(f"group {g}: {n}" for g, n in ns["chunks_per_group"].items()) or "no chunks"
+        nratio = f"{ns['compression_ratio']:.2f}x" if ns["compression_ratio"] else "n/a"
+        print(f"  {ns['fingerprint']}  {desc}")
+        print(
+            f"  {'':32}  {ns['chunks']} chunks ({groups}), {hb(ns['raw_bytes'])} raw, "
+            f"{hb(ns['stored_bytes'])} stored, {nratio}"
+        )
+    print("last access  chunks      stored  newest-first cumulative")
+    for row in r["age_histogram"]:
+        print(
+            f"  {row['last_access']:>6}  {row['chunks']:>9}  {hb(row['stored_bytes']):>10}  "
+            f"{hb(row['cumulative_stored_bytes']):>10}"
+        )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | int:
+    report = inspect_store(args.dir, args.budget)
+    if args.json:
+        return report
+    _print_report(report)
+    return 0
