@@ -73,7 +73,10 @@ def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, list[Any], Pa
                 "for a persistent store.",
                 plan.identity.hash_algo, store_path,
             )
-        disk = DiskStore(store_path, budget_bytes=cfg.disk_bytes, level=cfg.zstd_level, codec=cfg.codec)
+        disk = DiskStore(
+            store_path, budget_bytes=cfg.disk_bytes, level=cfg.zstd_level, codec=cfg.codec,
+            max_age_s=cfg.max_age_s,
+        )
         for rank, ns in enumerate(plan.namespaces):
             disk.register_namespace(ns, namespace_info(plan.identity, rank))
     # Per vLLM group index (the last 4 bytes of a chunk key); groups not offloaded never occur.

@@ -43,7 +43,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import lmdb
 import msgspec
 
-from kvstrata.compaction.policy import select_lru_victims  # one LRU rule, shared with compaction
+from kvstrata.compaction.policy import (  # one retention rule, shared with compaction
+    select_lru_victims,
+    select_victims,
+)
 from kvstrata.tiers import codec
 from kvstrata.tiers import codec as codec_mod
 
@@ -260,6 +263,7 @@ class DiskStore:
         touch_flush_interval_s: float = 1.0,
         evict_slack: float = 1.0 / 64,
         full_retry_s: float = 30.0,
+        max_age_s: float | None = None,
     ) -> None:
         if codec not in ("auto", "raw"):
             raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
@@ -275,6 +279,9 @@ class DiskStore:
         self._touch_interval = touch_flush_interval_s
         self._evict_slack = max(0.0, evict_slack)
         self._full_retry_s = full_retry_s
+        # Retention: whenever the writer evicts, chunks idle longer than this go first (and go
+        # even when the budget alone would keep them); `kvstrata compact --max-age` applies it now.
+        self._max_age_us = None if max_age_s is None else int(max_age_s * 1_000_000)
 
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._count_lock = threading.Lock()
@@ -904,7 +911,8 @@ class DiskStore:
         over = totals.stored_bytes + stored - self.budget_bytes
         if over > 0:
             need = over + int(self._evict_slack * self.budget_bytes)
-            victims = select_lru_victims(self._eviction_candidates(txn), need)
+            expire = None if self._max_age_us is None else _now_us() - self._max_age_us
+            victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
             outcome.evicted, outcome.evicted_bytes = self._delete_records(txn, totals, victims)
         rec = IndexRecord(
             raw_len=job.info.raw_len,

@@ -225,6 +225,19 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     store.close()
 
 
+def test_max_age_expires_idle_chunks_when_evicting(tmp_path: Path) -> None:
+    blobs = {i: rand_bytes(64 << 10, i) for i in range(5)}
+    frame_len = len(codec.encode(blobs[0], "uint8"))
+    store = open_store(tmp_path / "s", budget_bytes=4 * frame_len, evict_slack=0.0, max_age_s=0.2)
+    assert store.put_many([(key(0), blobs[0], "uint8"), (key(1), blobs[1], "uint8")]) == 2
+    time.sleep(0.3)  # 0 and 1 are now older than max_age
+    assert store.put_many([(key(2), blobs[2], "uint8"), (key(3), blobs[3], "uint8")]) == 2
+    # Over budget by one entry: the budget alone would evict only 0; age evicts 1 as well.
+    assert store.put_many([(key(4), blobs[4], "uint8")]) == 1
+    assert store.contains_many([key(i) for i in range(5)]) == [False, False, True, True, True]
+    store.close()
+
+
 def test_entry_larger_than_budget_is_dropped(tmp_path: Path) -> None:
     with open_store(tmp_path / "s", budget_bytes=1000) as store:
         assert store.put_many([(key(1), rand_bytes(4096, 1), "uint8")]) == 0
