@@ -1,0 +1,128 @@
+"""kvstrata's group-granular store/lookup semantics: pure Python, no torch, no vLLM.
+
+The rules are those of vLLM 0.32.0's ``OffloadingConnectorScheduler`` (numbered R1-R42 in the
+connector reference, §3), ported as small functions, with the defects of vLLM issue 52735 absent
+and one deliberate difference (R26, below). The vLLM adapter (``connector/scheduler.py``) owns
+per-request state, jobs and fences, and calls:
+
+Geometry (``geometry``)
+    ``GroupKind`` FULL | SLIDING | CHUNKED_LOCAL | MAMBA.
+    ``GroupGeometry(index, kind, tokens_per_block, blocks_per_chunk, tokens_per_hash,
+    sliding_window=None, extra_retained_tokens=0, attention_chunk_size=None, is_drafter=False,
+    mamba_align=True)``, derived ``tokens_per_chunk``, ``hashes_per_chunk``, ``is_windowed``,
+    ``is_align_mamba``, ``window_chunks`` (R3), ``load_window_chunks(num_tokens)`` (R20).
+    ``Layout(groups, retention_interval=0)``, derived ``lookup_order`` (R3), ``windowed_groups``,
+    ``alignment_tokens`` (R4), ``mamba_tokens_per_chunk`` (R5), ``supports_partial_tail`` (R7),
+    ``group(index)``.
+    ``resolve_drafter_flags(annotated, speculative=...)``: exactly the annotated groups (R6) —
+    never vLLM's former all-groups fallback (52735 defect 1).
+
+Keys (``keys``)
+    ``chunk_keys(block_hashes, geom, start=0) -> list[bytes]``: hash ending each complete chunk +
+    ``index.to_bytes(4, "big")`` (R12). ``boundary_key(block_hashes, boundary_tokens, geom)`` (R13).
+
+Lookup (``lookup``)
+    ``lookup_hit(layout, *, num_tokens, local_computed, keys, probe, max_new_tokens=None,
+    max_load_tokens=None, being_loaded=None, align_final_to_mamba=True) -> int | None``:
+    tokens loadable beyond ``local_computed`` (0 = nothing) or None = defer (R17-R21, R23, R24,
+    R27). ``probe(keys) -> [Presence]`` is called once per full-attention group query and in small
+    right-to-left batches for windowed groups. Drafter groups (FA, SW, chunked, Mamba alike) query one
+    chunk more and drop it (R27; widening only SW groups was 52735 defect 2).
+    **Difference from vLLM (R26, E7):** vLLM rounds the hit to the align-mode Mamba chunk only in
+    its initial cap, so a finer group stopping short of a Mamba boundary yields a hit whose Mamba
+    state lies beyond it. kvstrata re-runs the lookup with the cap rounded down to the Mamba chunk
+    until the hit ends on a Mamba boundary (``align_final_to_mamba=False`` reproduces vLLM).
+    ``prefix_run`` (R18) and ``window_run`` (R19) are exposed for tests.
+
+Loads and boundary stores (``transfers``)
+    ``ChunkTransfer(group, chunk_index, key, block_ids, first_block_in_chunk)``.
+    ``plan_load(layout, *, local_computed, hit_tokens, block_ids, keys, load_start_block=None)
+    -> list[ChunkTransfer]`` (R22, R35); ``chunks_covered(layout, tokens)`` (the adapter's
+    ``next_stored_chunk`` after a load). ``plan_boundary_stores(layout, offers, *, offloadable,
+    block_hashes) -> list[ChunkTransfer]``: Mamba states only from the scheduler's exact hand-offs
+    (§3.8 B, R25).
+
+Stores (``store``)
+    ``offloadable_tokens(*, num_computed, num_scheduled, num_tokens, num_prompt_tokens, finished,
+    aborted, offload_prompt_only, max_offload_tokens) -> int`` (§3.8 D1-D2).
+    ``storable_chunks(geom, *, offloadable_tokens, num_prompt_tokens, finished, allocated_blocks,
+    num_keys) -> int`` (R28; finish-time promotion of the drafter tail R29, 52735 defect 3).
+    ``plan_store(layout, *, offloadable, num_prompt_tokens, finished, next_stored_chunk, block_ids,
+    keys, prompt_offloadable=None, shared_prefix_boundary=None) -> (candidates, next_stored)``
+    (§3.8 D3-D6, R31 reachability for retention None / 0 / > 0, drafter +1, final-segment horizons).
+    ``sliding_reachable_mask``, ``mamba_reachable_mask`` (R31 ports).
+
+Other deliberate differences: a full-attention group's query range is probed in one batch, so
+keys past its first MISS are probed too (vLLM stops there); a store candidate whose chunk has a
+null block after a real one (a stale, re-allocated sliding-window block) is refused, where vLLM
+would copy the remaining blocks to the wrong offsets.
+
+Known gaps kept for parity with vLLM 0.32.0 (pinned by xfail tests in tests/unit/test_semantics.py;
+all need a sparse ``retention_interval`` — vLLM's default 0 — and a sliding-window group):
+a full-attention drafter's pop puts every hit one drafter chunk below the replay boundary, where
+the window tail was not kept (served 0); a window with ``W - 1 + extra`` a multiple of the chunk is
+looked up with one chunk more than is stored; a Mamba hybrid's hit is rounded below the
+attention-aligned replay boundary, where no window tail was kept.
+
+Not implemented: partial tails (R7, R30, §3.7 C). With a layout where vLLM would support them
+(``Layout.supports_partial_tail``) kvstrata serves complete chunks only, and
+``plan_boundary_stores`` ignores hand-offs that are not chunk-aligned.
+"""
+
+from kvstrata.connector.semantics.geometry import (
+    GroupGeometry,
+    GroupKind,
+    Layout,
+    cdiv,
+    resolve_drafter_flags,
+    round_down,
+)
+from kvstrata.connector.semantics.keys import boundary_key, chunk_keys, make_key
+from kvstrata.connector.semantics.lookup import (
+    Probe,
+    initial_cap,
+    lookup_hit,
+    prefix_run,
+    window_run,
+)
+from kvstrata.connector.semantics.store import (
+    mamba_reachable_mask,
+    offloadable_tokens,
+    plan_store,
+    sliding_reachable_mask,
+    storable_chunks,
+)
+from kvstrata.connector.semantics.transfers import (
+    ChunkTransfer,
+    chunks_covered,
+    first_fresh_block,
+    plan_boundary_stores,
+    plan_load,
+)
+
+__all__ = [
+    "ChunkTransfer",
+    "GroupGeometry",
+    "GroupKind",
+    "Layout",
+    "Probe",
+    "boundary_key",
+    "cdiv",
+    "chunk_keys",
+    "chunks_covered",
+    "first_fresh_block",
+    "initial_cap",
+    "lookup_hit",
+    "make_key",
+    "mamba_reachable_mask",
+    "offloadable_tokens",
+    "plan_boundary_stores",
+    "plan_load",
+    "plan_store",
+    "prefix_run",
+    "resolve_drafter_flags",
+    "round_down",
+    "sliding_reachable_mask",
+    "storable_chunks",
+    "window_run",
+]

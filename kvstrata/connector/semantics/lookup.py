@@ -1,0 +1,271 @@
+"""Lookup: the longest prefix beyond the local GPU hit that every group can serve (R15-R27)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from kvstrata.connector.semantics.geometry import GroupGeometry, Layout, cdiv, round_down
+from kvstrata.presence import Presence
+
+Probe = Callable[[Sequence[bytes]], Sequence[Presence]]
+
+
+def prefix_run(keys: Sequence[bytes], probe: Probe) -> int | None:
+    """Leading servable chunks of a full-attention group (R18); None = ask again later.
+
+    HIT counts; PENDING counts but defers; RETRY defers without counting and the scan goes on (a
+    tier may start an async lookup for the keys behind it); MISS ends the run. All keys are probed
+    in one batch: answers past the first MISS are ignored.
+    """
+    if not keys:
+        return 0
+    hits = 0
+    defer = False
+    for answer in _checked(probe, keys):
+        if answer is Presence.MISS:
+            break
+        if answer is Presence.RETRY:
+            defer = True
+            continue
+        hits += 1
+        defer |= answer is Presence.PENDING
+    return None if defer else hits
+
+
+def window_run(
+    keys: Sequence[bytes], window: int, probe: Probe, initial_window: int | None = None
+) -> int | None:
+    """End (exclusive index into ``keys``) of the rightmost run of ``window`` servable chunks (R19).
+
+    The scan goes right to left. The first run must be ``initial_window`` long (a boundary inside
+    a chunk needs one more chunk to its left, R20); any gap resets the requirement to ``window``. A
+    PENDING chunk counts toward a run but defers it, unless a gap to its left makes it useless. With
+    no complete run the leading hits are served (prefix fallback). None = ask again later.
+
+    Keys are probed right to left in batches just large enough to complete the current run, so
+    keys left of the run that wins are (almost) never probed: a probe may start a disk promotion.
+    """
+    need = initial_window or window
+    streak = 0
+    defer = pending = False
+    end = len(keys)
+    while end > 0:
+        lo = max(0, end - max(need - streak, 1))
+        answers = _checked(probe, keys[lo:end])
+        for idx in range(end - 1, lo - 1, -1):
+            answer = answers[idx - lo]
+            if answer is Presence.HIT or answer is Presence.PENDING:
+                streak += 1
+                pending |= answer is Presence.PENDING
+            else:
+                defer |= answer is Presence.RETRY
+                # A gap: nothing to its right can be served, and the next run ends on a chunk
+                # boundary, so it needs only the plain window.
+                streak = 0
+                pending = False
+                need = window
+            if streak == need:
+                return None if defer or pending else idx + need
+        end = lo
+    return None if defer or pending else streak
+
+
+def _checked(probe: Probe, keys: Sequence[bytes]) -> Sequence[Presence]:
+    answers = probe(keys)
+    if len(answers) != len(keys):
+        raise ValueError(f"probe answered {len(answers)} keys for {len(keys)} asked")
+    return answers
+
+
+def initial_cap(
+    layout: Layout,
+    *,
+    num_tokens: int,
+    local_computed: int,
+    max_new_tokens: int | None,
+    max_load_tokens: int | None,
+) -> int:
+    """The absolute boundary a hit may reach before any group is asked (R17.1-2, R24)."""
+    cap = num_tokens
+    if max_new_tokens is not None:
+        cap = min(cap, local_computed + max_new_tokens)
+    if max_load_tokens is not None:
+        cap = min(cap, local_computed + max_load_tokens)
+    if layout.windowed_groups:
+        # The last prompt token is always recomputed (its logits are needed), and windowed groups
+        # cannot be served up to the whole prompt and then backed off by one token.
+        cap -= 1
+        mamba_tpc = layout.mamba_tokens_per_chunk
+        if mamba_tpc is not None:
+            cap = round_down(cap, mamba_tpc)
+    return cap
+
+
+class _Convergence:
+    """vLLM's ``_lookup_complete_chunks`` loop (R17.3): groups tighten a shared boundary until stable.
+
+    Each group in lookup order may lower ``max_hit``; a lowered boundary can invalidate what a group
+    already confirmed, so the loop re-runs all groups (after a deferral) or the windowed groups
+    (whose window must end at the new boundary) until nothing changes.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        local_computed: int,
+        keys: Mapping[int, Sequence[bytes]],
+        probe: Probe,
+        round_to_chunks: bool,
+    ) -> None:
+        self.layout = layout
+        self.local = local_computed
+        self.keys = keys
+        self.probe = probe
+        # With a per-request load cap, vLLM rounds the boundary down to each group's chunk.
+        self.round_to_chunks = round_to_chunks
+
+    def run(self, cap: int) -> int | None:
+        max_hit = cap
+        num_hit = 0
+        defer = False
+        # Drafter groups that already dropped their volatile tail for the current boundary (R27).
+        verified: set[int] = set()
+        pending: tuple[GroupGeometry, ...] = self.layout.lookup_order
+        while pending:
+            looked_up_windowed = False
+            current, pending = pending, ()
+            for geom in current:
+                tpc = geom.tokens_per_chunk
+                keys = self.keys[geom.index]
+                max_hit = min(max_hit, len(keys) * tpc)
+                if self.round_to_chunks:
+                    max_hit = round_down(max_hit, tpc)
+                if max_hit - self.local < tpc:
+                    return 0  # less than one chunk of this group is left to load
+                unverified = geom.is_drafter and geom.index not in verified
+                hits, start = self._group_hits(geom, keys, max_hit, unverified)
+                if hits == 0:
+                    return 0  # a group that can serve nothing ends the whole lookup
+                if hits is None:
+                    defer = True
+                else:
+                    if unverified:
+                        hits -= 1  # drop the volatile drafter tail (R27)
+                        verified.add(geom.index)
+                    max_hit = min(max_hit, tpc * (start + hits))
+                new_hit = max_hit - self.local
+                if new_hit < tpc:
+                    return 0
+                if new_hit < num_hit:
+                    if not geom.is_drafter:
+                        # A tighter boundary from a regular group: drafters must drop a tail again.
+                        verified.clear()
+                    if defer:
+                        defer = False
+                        pending = self.layout.lookup_order
+                    elif looked_up_windowed and not pending:
+                        pending = self.layout.windowed_groups
+                looked_up_windowed |= geom.is_windowed
+                num_hit = new_hit
+        return None if defer else num_hit
+
+    def _group_hits(
+        self, geom: GroupGeometry, keys: Sequence[bytes], max_hit: int, unverified: bool
+    ) -> tuple[int | None, int]:
+        """(servable chunks counted from ``start``, ``start``) for one group at ``max_hit``."""
+        tpc = geom.tokens_per_chunk
+        query_max = max_hit
+        if unverified:
+            # Query one chunk more than the boundary: the pop then lands on that extra chunk
+            # instead of cutting below a coarser sibling's chunk (R27; issue 52735 defect 2 was
+            # widening only sliding-window groups).
+            query_max = min(max_hit + tpc, len(keys) * tpc)
+        num_chunks = min(cdiv(query_max, tpc), len(keys))
+        start = self.local // tpc
+        window_keys = keys[start:num_chunks]
+        window = geom.window_chunks
+        if window is None:
+            return prefix_run(window_keys, self.probe), start
+        candidate_end = min(max_hit, (num_chunks - int(unverified)) * tpc)
+        initial = geom.load_window_chunks(candidate_end)
+        assert initial is not None
+        extra = int(unverified)  # a drafter window needs one chunk beyond it (W + 1)
+        return window_run(window_keys, window + extra, self.probe, initial + extra), start
+
+
+def _hit_chunk_being_loaded(
+    layout: Layout,
+    keys: Mapping[int, Sequence[bytes]],
+    local: int,
+    end: int,
+    being_loaded: Callable[[bytes], bool],
+) -> bool:
+    """Whether a chunk this hit would load is being loaded for another request (R17.5).
+
+    Then the request should wait and hit the GPU prefix cache once that load lands.
+    """
+    for geom in layout.groups:
+        tpc = geom.tokens_per_chunk
+        group_keys = keys[geom.index][local // tpc : cdiv(end, tpc)]
+        window = geom.load_window_chunks(end)
+        if window is not None:
+            group_keys = group_keys[-window:]
+        if any(being_loaded(k) for k in group_keys):
+            return True
+    return False
+
+
+def lookup_hit(
+    layout: Layout,
+    *,
+    num_tokens: int,
+    local_computed: int,
+    keys: Mapping[int, Sequence[bytes]],
+    probe: Probe,
+    max_new_tokens: int | None = None,
+    max_load_tokens: int | None = None,
+    being_loaded: Callable[[bytes], bool] | None = None,
+    align_final_to_mamba: bool = True,
+) -> int | None:
+    """Tokens loadable beyond ``local_computed`` (0 = nothing), or None = ask again next step.
+
+    ``keys[g]`` are group ``g``'s chunk keys (``chunk_keys``) for the request's current hashes.
+    ``probe(keys) -> presences`` answers a batch of keys. ``being_loaded(key)``: that chunk is being
+    loaded for another request (only with GPU prefix caching on; None otherwise).
+
+    With ``align_final_to_mamba`` (kvstrata's behaviour) a hit whose end is not on an align-mode
+    Mamba chunk boundary is looked up again with the boundary rounded down to it, until it is: the
+    Mamba state loaded is then exactly the state at the hit's end. vLLM 0.32.0 rounds only the
+    initial cap (R26 hazard, incl. after a drafter pop, E7) and serves the state from beyond the hit.
+    """
+    cap = initial_cap(
+        layout,
+        num_tokens=num_tokens,
+        local_computed=local_computed,
+        max_new_tokens=max_new_tokens,
+        max_load_tokens=max_load_tokens,
+    )
+    search = _Convergence(
+        layout,
+        local_computed=local_computed,
+        keys=keys,
+        probe=probe,
+        round_to_chunks=max_load_tokens is not None,
+    )
+    mamba_tpc = layout.mamba_tokens_per_chunk if align_final_to_mamba else None
+    while True:
+        hit = search.run(cap)
+        if not hit:
+            return hit  # 0 or None
+        end = local_computed + hit
+        if mamba_tpc is None or end % mamba_tpc == 0:
+            break
+        # R26: a finer group stopped short of a Mamba boundary; only the state at a boundary at or
+        # below the hit is usable, and every group must be re-checked at that boundary.
+        cap = round_down(end, mamba_tpc)
+    if being_loaded is not None and _hit_chunk_being_loaded(
+        layout, keys, local_computed, local_computed + hit, being_loaded
+    ):
+        return None
+    return hit
