@@ -648,6 +648,7 @@ def run_store_trace(trace: StoreTrace, rng: random.Random) -> Counter[str]:
                 trace.prompt, trace.max_offload if trace.max_offload is not None else trace.prompt
             ),
             shared_prefix_boundary=trace.shared_prefix_boundary,
+            keep_served_tails=False,  # vLLM's stores; kvstrata's extra tails are tested in unit tests
         )
         offered = [c.key for c in candidates]
         answer = _answer(rng, offered)

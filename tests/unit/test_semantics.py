@@ -512,6 +512,7 @@ def run_request(
     prefill_step: int | None = None,
     offload_prompt_only: bool = True,
     tag: str = "",
+    keep_served_tails: bool = True,
 ) -> list[list[tuple[int, int]]]:
     """Prefill (in steps), decode one token per step, finish; store what ``plan_store`` offers and
     the Mamba states the scheduler would hand off (every Mamba chunk boundary computed so far).
@@ -539,6 +540,7 @@ def run_request(
         candidates, advanced = plan_store(
             layout, offloadable=offloadable, num_prompt_tokens=prompt, finished=finished,
             next_stored_chunk=next_stored, block_ids=blocks, keys=keys_of(layout, visible),
+            keep_served_tails=keep_served_tails,
         )  # fmt: skip
         limit = offloadable_tokens(
             num_computed=num_tokens, num_scheduled=0, num_tokens=num_tokens,
@@ -1143,17 +1145,20 @@ def test_property_store_then_serve_roundtrip(layout, prompt, retention, data):
         assert round_down(full, layout.alignment_tokens) <= served <= full
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32.0 semantics, kept for parity: see docstring")
 def test_exact_replay_with_drafter_under_sparse_retention():
-    """Known gap (same in vLLM 0.32.0): with a retention interval (vLLM's default 0) a regular
+    """vLLM 0.32.0 gap that kvstrata closes: with a retention interval (vLLM's default 0) a regular
     sliding-window group keeps its tail only at the replay boundary (199 -> 192), but a
-    full-attention drafter's pop puts every later hit one drafter chunk lower (160), where no
-    window was kept: neither the same prompt nor a follow-up turn is served anything."""
+    full-attention drafter's pop puts every later hit one drafter chunk lower (160), where vLLM
+    kept no window: neither the same prompt nor a follow-up turn is served anything. kvstrata
+    also keeps the tail ending at 160 (``keep_served_tails``)."""
     layout = Layout((fa(0, **E, drafter=True), sw(1, 64, **E)), retention_interval=0)
     store = MemoryStore()
     run_request(layout, store, 200)
     assert served_after(layout, store, 200) == 160
     assert served_after(layout, store, 230) == 160
+    vllm_like = MemoryStore()
+    run_request(layout, vllm_like, 200, keep_served_tails=False)
+    assert served_after(layout, vllm_like, 200) == 0  # the gap, as in vLLM 0.32.0
 
 
 @pytest.mark.xfail(strict=True, reason="vLLM 0.32.0 semantics, kept for parity: see docstring")
@@ -1167,14 +1172,17 @@ def test_exact_replay_with_window_one_past_a_chunk_multiple():
     assert served_after(layout, store, 19) == 18
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32.0 semantics, kept for parity: see docstring")
 def test_exact_replay_of_mamba_sliding_hybrid_under_sparse_retention():
-    """Known gap (same in vLLM 0.32.0): FA16 + SW32 + Mamba64, retention 0, prompt 180. The
-    window tail is kept at the replay boundary 176 (179 aligned to the 16-token attention chunk),
-    but the hit is rounded to the Mamba chunk, 128, where no window tail was stored: 0 served."""
+    """vLLM 0.32.0 gap that kvstrata closes: FA16 + SW32 + Mamba64, retention 0, prompt 180. vLLM
+    keeps the window tail at the replay boundary 176 (179 aligned to the 16-token attention chunk),
+    but the hit is rounded to the Mamba chunk, 128, where vLLM stored no window tail: 0 served.
+    kvstrata also keeps the tail ending at 128."""
     layout = Layout(
         (fa(0, tpb=16, bpc=1), sw(1, 32, tpb=16, bpc=1), mamba(2, 64, bpc=1)), retention_interval=0
     )
     store = MemoryStore()
     run_request(layout, store, 180)
     assert served_after(layout, store, 180) == 128
+    vllm_like = MemoryStore()
+    run_request(layout, vllm_like, 180, keep_served_tails=False)
+    assert served_after(layout, vllm_like, 180) == 0  # the gap, as in vLLM 0.32.0

@@ -50,7 +50,7 @@ Stores (``store``)
     ``plan_store(layout, *, offloadable, num_prompt_tokens, finished, next_stored_chunk, block_ids,
     keys, prompt_offloadable=None, shared_prefix_boundary=None) -> (candidates, next_stored)``
     (§3.8 D3-D6, R31 reachability for retention None / 0 / > 0, drafter +1, final-segment horizons).
-    ``sliding_reachable_mask``, ``mamba_reachable_mask`` (R31 ports).
+    ``sliding_reachable_mask``, ``mamba_reachable_mask`` (R31 ports). ``keep_served_tails`` (default True; False = vLLM) also keeps the window tails where drafter-popped and Mamba-rounded replays end (``served_boundaries``): vLLM 0.32.0 serves those replays nothing.
 
 Other deliberate differences: a full-attention group's query range is probed in one batch, so
 keys past its first MISS are probed too (vLLM stops there); a store candidate whose chunk has a

@@ -284,6 +284,25 @@ def _group_candidates(
     return out
 
 
+def served_boundaries(layout: Layout, boundaries: Sequence[int]) -> tuple[int, ...]:
+    """Where hits searched from ``boundaries`` end: one drafter chunk lower (R27 pop), and rounded
+    down to the align-mode Mamba chunk (R24/R26). Boundaries not already in ``boundaries``."""
+    found = set(boundaries)
+    lowered = list(boundaries)
+    for geom in layout.groups:
+        if geom.is_drafter:
+            lowered += [b - geom.tokens_per_chunk for b in boundaries]
+    mamba = layout.mamba_tokens_per_chunk
+    if mamba:
+        lowered += [b // mamba * mamba for b in lowered]
+    out = []
+    for b in lowered:
+        if b > 0 and b not in found:
+            found.add(b)
+            out.append(b)
+    return tuple(out)
+
+
 def plan_store(
     layout: Layout,
     *,
@@ -295,6 +314,7 @@ def plan_store(
     keys: Mapping[int, Sequence[bytes]],
     prompt_offloadable: int | None = None,
     shared_prefix_boundary: int | None = None,
+    keep_served_tails: bool = True,
 ) -> tuple[list[ChunkTransfer], dict[int, int]]:
     """Chunks to offer for storing this step, and each group's next chunk to consider (§3.8 D).
 
@@ -309,6 +329,12 @@ def plan_store(
     store at once. Unless that offer fails for lack of space (then retry later: keep the old scan
     positions), set each group's position to ``max(old, returned)`` — also when nothing was
     offered or accepted. Align-mode Mamba groups contribute no candidates (R25).
+
+    ``keep_served_tails`` (kvstrata; False reproduces vLLM 0.32.0): under a sparse retention
+    interval vLLM keeps a sliding window's tail only where a replay's hit *starts* its search (the
+    replay boundary), but a drafter group's pop ends the hit one drafter chunk lower, and an
+    align-mode Mamba group rounds it down to the Mamba chunk: there no window tail was kept, and
+    the replay is served nothing. kvstrata also keeps the tails ending where such hits end.
     """
     if prompt_offloadable is None:
         prompt_offloadable = num_prompt_tokens
@@ -317,6 +343,8 @@ def plan_store(
         boundaries = (num_prompt_tokens - 1,)
         if shared_prefix_boundary:
             boundaries += (shared_prefix_boundary,)
+        if keep_served_tails:
+            boundaries += served_boundaries(layout, boundaries)
     candidates: list[ChunkTransfer] = []
     advanced: dict[int, int] = {}
     for geom in layout.groups:
