@@ -49,6 +49,9 @@ class StrataWorker:
             shard_index=plan.rank,
             group_page_bytes=[_page_bytes_or(plan, i, kv_caches, g.layer_names) for i, g in enumerate(groups)],
         )
+        broken = {g.index: self.stager.group_errors[g.index] for g in plan.groups if g.index in self.stager.group_errors}
+        if broken:
+            raise ValueError(f"kvstrata cannot stage these KV cache groups: {broken}")
 
     # A store job read in a later step could copy a block that was re-allocated meanwhile; the
     # scheduler lists such jobs in ``flush`` and we finish them before this step's forward.

@@ -1,0 +1,552 @@
+"""The tier hierarchy the scheduler-side connector talks to: host slots over a disk store.
+
+Every scheduler call is non-blocking and O(keys): it updates the host index under one lock and
+hands disk work to an asyncio event loop on a background thread. That loop owns the I/O pipeline:
+
+* **write-behind**: a chunk whose store to host completed (and that the admission policy lets
+  through) is compressed and written to disk, holding a reference on its slot meanwhile. At most
+  ``max_write_inflight_bytes`` are in flight; beyond that new writes are deferred (holding their
+  slot, up to ``max_deferred_bytes``) or dropped, and counted. Callers never wait on the disk.
+* **prefetch**: a lookup that finds a chunk only on disk allocates a slot and starts a
+  promotion (LMDB get -> decompress straight into the slot) at once, answering PENDING; at most
+  ``max_concurrent_reads`` run at a time and a chunk is fetched once however often it is asked
+  for. A failed or corrupt read makes the chunk a MISS (counted), never an exception.
+
+The blocking work (LMDB, zstd, checksums) runs in thread pools via ``run_in_executor``, one whole
+operation per call (storage-facts.md, implication 8); it releases the GIL. Reads and writes have
+separate pools so a backlog of writes never delays a prefetch the next step waits for.
+
+Slot layout: shard ``r`` of a slot starts at ``r * shard_bytes``; for group ``g`` only its first
+``group_shard_bytes[g]`` bytes are meaningful and only those go to disk, as record
+``namespaces[r] + chunk_key`` (group = the key's last 4 bytes, big-endian).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvstrata.presence import Presence
+from kvstrata.tiers.host import HostPool
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.disk import DiskStore
+
+logger = logging.getLogger(__name__)
+
+_ABSENT, _READY, _NOT_READY = HostPool.ABSENT, HostPool.READY, HostPool.NOT_READY
+_HIT, _PENDING, _MISS = Presence.HIT, Presence.PENDING, Presence.MISS
+# Indexed by HostPool.lookup_many's states (ABSENT=0, READY=1, NOT_READY=2).
+_BY_HOST_STATE = (_MISS, _HIT, _PENDING)
+
+
+def chunk_group(key: bytes) -> int:
+    """The KV cache group a chunk key belongs to (its last 4 bytes, big-endian)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+class Hierarchy:
+    """Host tier index + disk tier + the asyncio pipeline between them (see module docstring).
+
+    Args:
+        host_pool: index over the shared slab (the pool must have its slab).
+        disk: the disk store, or None for a host-only cache.
+        namespaces: one store-key prefix per shard (TP rank), in shard order.
+        group_shard_bytes: meaningful bytes per shard for each group.
+        group_dtypes: codec dtype name per group (e.g. "bfloat16"; "int8" for Mamba pages).
+        shard_bytes: shard stride inside a slot; default ``slot_bytes // len(namespaces)``.
+        admit_after: write a chunk to disk once it has been offered this many times (a
+            ``prepare_store`` of it, or a host hit on it at lookup); 1 = every stored chunk.
+        write_backpressure: "defer" (keep the slot, write when the disk catches up, up to
+            ``max_deferred_bytes``) or "drop".
+    """
+
+    def __init__(
+        self,
+        host_pool: HostPool,
+        disk: DiskStore | None,
+        *,
+        namespaces: Sequence[bytes],
+        group_shard_bytes: Sequence[int],
+        group_dtypes: Sequence[str],
+        shard_bytes: int | None = None,
+        admit_after: int = 1,
+        write_backpressure: Literal["defer", "drop"] = "defer",
+        max_write_inflight_bytes: int = 128 << 20,
+        max_deferred_bytes: int | None = None,
+        max_concurrent_reads: int = 4,
+        read_threads: int = 2,
+        write_threads: int = 1,
+        offer_tracker_size: int = 1 << 17,
+    ) -> None:
+        slab = host_pool.slab
+        if slab is None:
+            raise ValueError("the host pool needs its slab")
+        if not namespaces:
+            raise ValueError("at least one namespace (shard) is required")
+        if len(group_shard_bytes) != len(group_dtypes):
+            raise ValueError("group_shard_bytes and group_dtypes must have one entry per group")
+        if write_backpressure not in ("defer", "drop"):
+            raise ValueError(
+                f"write_backpressure must be 'defer' or 'drop', not {write_backpressure!r}"
+            )
+        self.pool = host_pool
+        self.slab = slab
+        self.disk = disk
+        self.namespaces = [bytes(ns) for ns in namespaces]
+        self.shard_bytes = shard_bytes or slab.slot_bytes // len(self.namespaces)
+        if self.shard_bytes * len(self.namespaces) > slab.slot_bytes:
+            raise ValueError(
+                f"{len(self.namespaces)} shards of {self.shard_bytes} bytes exceed the slot"
+            )
+        if max(group_shard_bytes) > self.shard_bytes:
+            raise ValueError(
+                f"a group needs {max(group_shard_bytes)} bytes, shards hold {self.shard_bytes}"
+            )
+        self.group_shard_bytes = list(group_shard_bytes)
+        self.group_dtypes = list(group_dtypes)
+        self.admit_after = max(1, admit_after)
+        self.defer = write_backpressure == "defer"
+        self.max_write_inflight_bytes = max_write_inflight_bytes
+        self.max_deferred_bytes = (
+            slab.nbytes // 4 if max_deferred_bytes is None else max_deferred_bytes
+        )
+        self._offer_tracker_size = offer_tracker_size
+
+        self._lock = threading.Lock()
+        self._storing: set[bytes] = set()  # prepare_store'd, not completed
+        self._promoting: set[bytes] = set()  # disk -> host in flight
+        self._on_disk: set[bytes] = set()  # resident chunks known to be on disk
+        self._queued: set[bytes] = set()  # resident chunks being written or deferred
+        self._deferred: deque[bytes] = deque()
+        self._deferred_bytes = 0
+        self._inflight_bytes = 0
+        self._bad: set[bytes] = set()  # disk records that failed to read
+        self._offers: OrderedDict[bytes, int] = OrderedDict()
+        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._closed = False
+        host_pool.on_evict = self._on_evict
+
+        self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="kvstrata-read")
+        self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="kvstrata-write")
+        self._loop = asyncio.new_event_loop()
+        self._read_sem = asyncio.Semaphore(max_concurrent_reads)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(target=self._run_loop, name="kvstrata-io", daemon=True)
+        self._thread.start()
+
+    # ---- scheduler API -----------------------------------------------------------------------
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[Presence]:
+        """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
+
+        A chunk found only on disk starts its promotion now and answers PENDING.
+        """
+        return self._lookup(keys, count_offers=True)
+
+    def promote(self, keys: Sequence[bytes]) -> list[Presence]:
+        """Start disk -> host promotions for disk-only chunks (a lookup without bookkeeping)."""
+        return self._lookup(keys, count_offers=False)
+
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
+        """Host slots for the keys not present yet (they become PENDING), or None if the host
+        tier cannot make room for all of them (nothing is allocated then)."""
+        with self._lock:
+            if self._closed:
+                return None
+            new = list(dict.fromkeys(k for k in keys if k not in self.pool))
+            protected = set(keys)
+            slots = self.pool.allocate(new, protected) if new else []
+            if slots is None:
+                self._counts["store_no_room"] += 1
+                return None
+            self._storing.update(new)
+            if self.admit_after > 1:
+                for key in new:
+                    self._offer(key)
+            self._counts["stores_prepared"] += len(new)
+            return dict(zip(new, slots, strict=True))
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        """The device -> host copies of ``keys`` finished: HIT (and queued for write-behind if
+        admitted), or dropped when ``success`` is False."""
+        start: list[tuple[bytes, int, int, int]] = []
+        with self._lock:
+            for key in keys:
+                if key not in self._storing:
+                    self._counts["store_unknown"] += 1
+                    continue
+                self._storing.discard(key)
+                if not success:
+                    self.pool.discard(key)
+                    self._counts["stores_failed"] += 1
+                    continue
+                self.pool.mark_ready(key)
+                self.pool.release(key)
+                self._bad.discard(key)
+                self._counts["stores_completed"] += 1
+                if self.admit_after <= 1 or self._offers.get(key, 0) >= self.admit_after:
+                    item = self._admit(key)
+                    if item is not None:
+                        start.append(item)
+            self._schedule_writes(start)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the (HIT) keys' slots for a host -> device load; returns their slots.
+
+        Raises KeyError (pinning nothing) if a key is not readable in the host tier.
+        """
+        with self._lock:
+            missing = [k for k in keys if not self.pool.is_ready(k)]
+            if missing:
+                raise KeyError(
+                    f"{len(missing)} chunk(s) not in the host tier, e.g. {missing[0].hex()}"
+                )
+            slots = [self.pool.acquire(k) for k in keys]
+            for key in keys:
+                self.pool.touch(key)
+            self._counts["loads_prepared"] += len(keys)
+            return slots
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Unpin slots taken by ``prepare_load`` (once per key per call)."""
+        with self._lock:
+            for key in keys:
+                self.pool.release(key)
+
+    def reset(self) -> bool:
+        """Drop every idle host chunk (prefix-cache reset); disk records stay.
+
+        Returns True when the host tier is now empty (nothing was in flight).
+        """
+        with self._lock:
+            self.pool.evict_idle()
+            self._offers.clear()
+            self._bad.clear()
+            return len(self.pool) == 0
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out.update(
+                write_inflight_bytes=self._inflight_bytes,
+                write_deferred=len(self._deferred),
+                write_deferred_bytes=self._deferred_bytes,
+                promotions_inflight=len(self._promoting),
+                stores_inflight=len(self._storing),
+                host=self.pool.stats(),
+            )
+        return out
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish every accepted disk write (deferred ones too), then stop the I/O thread.
+
+        Returns True when everything was written. ``timeout`` (seconds) bounds the wait for a
+        disk that stopped answering; writes still queued then are abandoned (logged). Neither
+        the pool's slab nor the disk store is closed: they belong to the caller.
+        """
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+        drained = True
+        if self._loop.is_running():
+            done = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
+            try:
+                done.result(timeout)
+            except TimeoutError:
+                drained = False
+                logger.warning(
+                    "kvstrata: closing with %d disk write(s) unfinished after %.1fs",
+                    len(self._queued),
+                    timeout,
+                )
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        if drained:
+            self._loop.close()
+        self._read_pool.shutdown(wait=drained)
+        self._write_pool.shutdown(wait=drained)
+        return drained
+
+    def __enter__(self) -> Hierarchy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- lookup internals ----------------------------------------------------------------------
+
+    def _lookup(self, keys: Sequence[bytes], count_offers: bool) -> list[Presence]:
+        # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
+        with self._lock:
+            if self._closed:
+                return [_MISS] * len(keys)
+            host = self.pool.lookup_many(keys)
+            states = [_BY_HOST_STATE[s] for s in host]
+            if count_offers and self.admit_after > 1:
+                admitted = []
+                for k in (k for k, s in zip(keys, host, strict=True) if s == _READY):
+                    self._offer(k)
+                    if self._offers[k] >= self.admit_after and (item := self._admit(k)):
+                        admitted.append(item)
+                self._schedule_writes(admitted)
+            candidates: list[int] = []
+            if self.disk is not None:
+                bad = self._bad
+                candidates = [
+                    i
+                    for i, s in enumerate(host)
+                    if s == _ABSENT and (not bad or keys[i] not in bad)
+                ]
+            if not candidates:
+                self._count_lookup(states)
+                return states
+
+        # Presence on disk is checked outside the lock (one short LMDB read transaction).
+        nss = self.namespaces
+        n = len(nss)
+        assert self.disk is not None
+        try:
+            if n == 1:
+                ns = nss[0]
+                found = self.disk.contains_many([ns + keys[i] for i in candidates])
+            else:
+                probe = self.disk.contains_many([ns + keys[i] for i in candidates for ns in nss])
+                # A chunk is on disk only when every shard is.
+                found = [all(probe[c * n : (c + 1) * n]) for c in range(len(candidates))]
+        except Exception:
+            logger.exception("kvstrata: disk lookup failed; treating as misses")
+            found = [False] * len(candidates)
+        on_disk = [i for i, f in zip(candidates, found, strict=True) if f]
+        promote: list[tuple[bytes, int, int]] = []
+        with self._lock:
+            protected: set[bytes] | None = None
+            room = not self._closed
+            for i in on_disk:
+                key = keys[i]
+                st = self.pool.lookup_many((key,), touch=False)[0]
+                if st != _ABSENT:  # appeared meanwhile (a store, or a duplicate key)
+                    states[i] = _HIT if st == _READY else _PENDING
+                    continue
+                if not room:
+                    self._counts["promote_no_room"] += 1
+                    continue
+                if protected is None:
+                    protected = {k for k, s in zip(keys, states, strict=True) if s == _HIT}
+                slots = self.pool.allocate((key,), protected)
+                if slots is None:
+                    # The host tier is full of pinned chunks: answer MISS rather than PENDING
+                    # so that the request does not wait on a promotion that never starts.
+                    room = False
+                    self._counts["promote_no_room"] += 1
+                    continue
+                self._promoting.add(key)
+                self._on_disk.add(key)
+                promote.append((key, slots[0], chunk_group(key)))
+                states[i] = _PENDING
+            if promote:
+                self._counts["promotions_started"] += len(promote)
+                # Scheduled under the lock so that close() cannot slip in between.
+                self._loop.call_soon_threadsafe(self._start_promotions, promote)
+            self._count_lookup(states)
+        return states
+
+    def _count_lookup(self, states: list[Presence]) -> None:
+        c = self._counts
+        c["lookups"] += len(states)
+        c["lookup_hits"] += states.count(_HIT)
+        c["lookup_pending"] += states.count(_PENDING)
+
+    def _offer(self, key: bytes) -> None:
+        offers = self._offers
+        offers[key] = offers.get(key, 0) + 1
+        offers.move_to_end(key)
+        if len(offers) > self._offer_tracker_size:
+            offers.popitem(last=False)
+
+    def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
+        self._on_disk.discard(key)
+
+    # ---- write-behind ----------------------------------------------------------------------------
+
+    def _chunk_bytes(self, key: bytes) -> int:
+        return self.group_shard_bytes[chunk_group(key)] * len(self.namespaces)
+
+    def _admit(self, key: bytes) -> tuple[bytes, int, int, int] | None:
+        """Queue ``key`` for write-behind (under the lock); returns it when it may start now."""
+        if self.disk is None or self._closed or key in self._on_disk or key in self._queued:
+            return None
+        size = self._chunk_bytes(key)
+        if (
+            self._inflight_bytes == 0
+            or self._inflight_bytes + size <= self.max_write_inflight_bytes
+        ):
+            return self._claim_write(key, size)
+        if self.defer and self._deferred_bytes + size <= self.max_deferred_bytes:
+            self.pool.acquire(key)  # the slot must survive until the write runs
+            self._queued.add(key)
+            self._deferred.append(key)
+            self._deferred_bytes += size
+            self._counts["writes_deferred"] += 1
+            return None
+        self._counts["writes_dropped"] += 1
+        return None
+
+    def _claim_write(
+        self, key: bytes, size: int, pinned: bool = False
+    ) -> tuple[bytes, int, int, int]:
+        slot = self.pool.acquire(key) if not pinned else self.pool.get(key)[0]  # type: ignore[index]
+        self._queued.add(key)
+        self._inflight_bytes += size
+        self._counts["writes_started"] += 1
+        return key, slot, chunk_group(key), size
+
+    def _schedule_writes(self, items: list[tuple[bytes, int, int, int]]) -> None:
+        # Called under the lock: close() sets _closed under it and then queues its drain, which
+        # therefore runs after every write accepted before.
+        if items:
+            self._loop.call_soon_threadsafe(self._start_writes, items)
+
+    def _pump_deferred(self, force: bool = False) -> list[tuple[bytes, int, int, int]]:
+        """Deferred writes that fit now (under the lock); ``force`` takes them all (drain)."""
+        out = []
+        while self._deferred:
+            key = self._deferred[0]
+            size = self._chunk_bytes(key)
+            if (
+                not force
+                and self._inflight_bytes
+                and self._inflight_bytes + size > self.max_write_inflight_bytes
+            ):
+                break
+            self._deferred.popleft()
+            self._deferred_bytes -= size
+            out.append(self._claim_write(key, size, pinned=True))
+        return out
+
+    # ---- loop thread -----------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start_writes(self, items: list[tuple[bytes, int, int, int]]) -> None:
+        for item in items:
+            self._spawn(self._write(*item))
+
+    def _start_promotions(self, items: list[tuple[bytes, int, int]]) -> None:
+        for item in items:
+            self._spawn(self._promote(*item))
+
+    async def _write(self, key: bytes, slot: int, group: int, size: int) -> None:
+        ok = await self._loop.run_in_executor(self._write_pool, self._write_chunk, key, slot, group)
+        with self._lock:
+            self._inflight_bytes -= size
+            self._queued.discard(key)
+            self.pool.release(key)
+            if ok:
+                self._on_disk.add(key)
+                self._counts["writes_completed"] += 1
+                self._counts["write_bytes"] += size
+            else:
+                self._counts["writes_failed"] += 1
+            more = self._pump_deferred()
+        self._start_writes(more)
+
+    async def _promote(self, key: bytes, slot: int, group: int) -> None:
+        async with self._read_sem:
+            ok = await self._loop.run_in_executor(
+                self._read_pool, self._read_chunk, key, slot, group
+            )
+        with self._lock:
+            self._promoting.discard(key)
+            if ok:
+                self.pool.mark_ready(key)
+                self.pool.release(key)
+                self._counts["promotions_completed"] += 1
+                self._counts["read_bytes"] += self._chunk_bytes(key)
+            else:
+                self._on_disk.discard(key)
+                self.pool.discard(key)
+                self._bad.add(key)
+                self._counts["promotions_failed"] += 1
+
+    async def _drain(self) -> None:
+        while True:
+            with self._lock:
+                more = self._pump_deferred(force=True)
+            self._start_writes(more)
+            pending = [t for t in self._tasks if not t.done()]
+            if not pending and not more:
+                return
+            await asyncio.wait(pending)
+
+    # ---- executor threads ------------------------------------------------------------------------
+
+    def _shard_views(self, slot: int, group: int) -> list[memoryview]:
+        n = self.group_shard_bytes[group]
+        row = self.slab.array[slot]
+        return [
+            memoryview(row[r * self.shard_bytes : r * self.shard_bytes + n])
+            for r in range(len(self.namespaces))
+        ]
+
+    def _write_chunk(self, key: bytes, slot: int, group: int) -> bool:
+        assert self.disk is not None
+        dtype = self.group_dtypes[group]
+        entries = [
+            (ns + key, view, dtype)
+            for ns, view in zip(self.namespaces, self._shard_views(slot, group), strict=True)
+        ]
+        try:
+            return self.disk.put_many(entries) == len(entries)
+        except Exception:
+            logger.exception("kvstrata: disk write of %s failed", key.hex())
+            return False
+
+    def _read_chunk(self, key: bytes, slot: int, group: int) -> bool:
+        assert self.disk is not None
+        views = self._shard_views(slot, group)
+        try:
+            for ns, view in zip(self.namespaces, views, strict=True):
+                if self.disk.get_into(ns + key, view) != view.nbytes:
+                    return False
+        except Exception:
+            logger.exception("kvstrata: disk read of %s failed", key.hex())
+            return False
+        return True
+
+
+_COUNTERS = (
+    "lookups",
+    "lookup_hits",
+    "lookup_pending",
+    "stores_prepared",
+    "stores_completed",
+    "stores_failed",
+    "store_no_room",
+    "store_unknown",
+    "loads_prepared",
+    "promotions_started",
+    "promotions_completed",
+    "promotions_failed",
+    "promote_no_room",
+    "read_bytes",
+    "writes_started",
+    "writes_completed",
+    "writes_failed",
+    "writes_deferred",
+    "writes_dropped",
+    "write_bytes",
+)

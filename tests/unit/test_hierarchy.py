@@ -1,0 +1,514 @@
+"""Hierarchy over a real LMDB DiskStore: write-behind, prefetch, backpressure, failures, restart.
+
+Disk lag is produced deterministically with ``GatedDisk`` (a DiskStore whose reads or writes wait
+on an event), never with sleeps; waits poll with a generous deadline and assert nothing about time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import lmdb
+import numpy as np
+import pytest
+
+from kvstrata.presence import Presence
+from kvstrata.tiers.disk import DiskStore
+from kvstrata.tiers.hierarchy import Hierarchy, chunk_group
+from kvstrata.tiers.host import HostPool, HostSlab
+
+HIT, PENDING, MISS = Presence.HIT, Presence.PENDING, Presence.MISS
+NS = [b"rank0-namespace!", b"rank1-namespace!"]  # two shards (TP 2)
+SHARD = 8192
+GROUP_BYTES = [8192, 3000]  # group 1 uses only part of the shard (e.g. smaller Mamba pages)
+DTYPES = ["bfloat16", "int8"]
+CHUNK_BYTES = GROUP_BYTES[0] * len(NS)
+DEADLINE_S = 30.0
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return i.to_bytes(32, "big") + group.to_bytes(4, "big")
+
+
+def pattern(k: bytes, shard: int) -> np.ndarray:
+    n = GROUP_BYTES[chunk_group(k)]
+    seed = int.from_bytes(k[:8], "big") * 7 + shard * 1000003 + chunk_group(k)
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def fill(slab: HostSlab, slot: int, k: bytes) -> None:
+    for r in range(len(NS)):
+        p = pattern(k, r)
+        slab.array[slot, r * SHARD : r * SHARD + p.size] = p
+
+
+def holds(slab: HostSlab, slot: int, k: bytes) -> bool:
+    return all(
+        np.array_equal(
+            slab.array[slot, r * SHARD : r * SHARD + GROUP_BYTES[chunk_group(k)]], pattern(k, r)
+        )
+        for r in range(len(NS))
+    )
+
+
+def eventually(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+class GatedDisk:
+    """A real DiskStore whose reads and/or writes block until their gate opens."""
+
+    def __init__(self, disk: DiskStore) -> None:
+        self.disk = disk
+        self.reads_open = threading.Event()
+        self.writes_open = threading.Event()
+        self.reads_open.set()
+        self.writes_open.set()
+        self.get_calls: list[bytes] = []
+        self.put_calls = 0
+        self.active_reads = 0
+        self.max_active_reads = 0
+        self._lock = threading.Lock()
+
+    def contains_many(self, keys):
+        return self.disk.contains_many(keys)
+
+    def get_into(self, k, out):
+        with self._lock:
+            self.get_calls.append(k)
+            self.active_reads += 1
+            self.max_active_reads = max(self.max_active_reads, self.active_reads)
+        try:
+            assert self.reads_open.wait(DEADLINE_S)
+            return self.disk.get_into(k, out)
+        finally:
+            with self._lock:
+                self.active_reads -= 1
+
+    def put_many(self, entries):
+        with self._lock:
+            self.put_calls += 1
+        assert self.writes_open.wait(DEADLINE_S)
+        return self.disk.put_many(entries)
+
+
+@pytest.fixture
+def env(tmp_path):
+    """Factory for slabs, stores and hierarchies; closes everything it made."""
+    made: list = []
+
+    class Env:
+        db_path = tmp_path / "db"
+
+        def slab(self, slots: int = 16) -> HostSlab:
+            s = HostSlab(tmp_path / f"slab{len(made)}", SHARD * len(NS), slots)
+            made.append(s)
+            return s
+
+        def disk(self) -> DiskStore:
+            d = DiskStore(self.db_path, budget_bytes=1 << 30)
+            made.append(d)
+            return d
+
+        def hier(self, disk, slots: int = 16, policy: str = "lru", **kw) -> Hierarchy:
+            slab = self.slab(slots)
+            h = Hierarchy(
+                HostPool(slab, policy),
+                disk,
+                namespaces=NS,
+                group_shard_bytes=GROUP_BYTES,
+                group_dtypes=DTYPES,
+                **kw,
+            )
+            made.append(h)
+            return h
+
+    yield Env()
+    for obj in reversed(made):
+        obj.close()
+
+
+def store(h: Hierarchy, keys: list[bytes]) -> dict[bytes, int]:
+    slots = h.prepare_store(keys)
+    assert slots is not None
+    for k, s in slots.items():
+        fill(h.slab, s, k)
+    h.complete_store(list(slots))
+    return slots
+
+
+def on_disk(disk: DiskStore, k: bytes) -> bool:
+    return all(disk.contains_many([ns + k for ns in NS]))
+
+
+# ---- basic life cycle --------------------------------------------------------------------------
+
+
+def test_store_lookup_load(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    keys = [key(1), key(2, group=1)]
+    assert h.lookup_many(keys) == [MISS, MISS]
+    slots = h.prepare_store(keys + keys[:1])  # duplicates collapse
+    assert set(slots) == set(keys)
+    assert h.lookup_many(keys) == [PENDING, PENDING]
+    assert h.prepare_store(keys) == {}  # already present: nothing to store
+    for k, s in slots.items():
+        fill(h.slab, s, k)
+    h.complete_store(keys)
+    assert h.lookup_many(keys) == [HIT, HIT]
+    loaded = h.prepare_load(keys)
+    assert all(holds(h.slab, s, k) for s, k in zip(loaded, keys, strict=True))
+    h.complete_load(keys)
+    with pytest.raises(KeyError):
+        h.prepare_load([key(3)])
+    eventually(lambda: h.stats()["writes_completed"] == 2, "write-behind")
+    assert all(on_disk(disk, k) for k in keys)
+    assert h.stats()["write_bytes"] == (8192 + 3000) * 2
+
+
+def test_failed_store_is_dropped(env):
+    h = env.hier(env.disk())
+    slots = h.prepare_store([key(1)])
+    h.complete_store([key(1)], success=False)
+    assert h.lookup_many([key(1)]) == [MISS]
+    assert h.pool.free_slots == h.pool.num_slots
+    assert h.stats()["stores_failed"] == 1 and slots
+
+
+def test_host_only_hierarchy(env):
+    h = env.hier(None, slots=2)
+    store(h, [key(1), key(2)])
+    store(h, [key(3)])  # evicts the least recently used chunk, nothing to write it to
+    assert h.lookup_many([key(1), key(2), key(3)]) == [MISS, HIT, HIT]
+
+
+# ---- restart, shards, group bytes -----------------------------------------------------------------
+
+
+def test_restart_finds_chunks_on_disk(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    keys = [key(i, group=i % 2) for i in range(6)]
+    slots = store(h, keys)
+    for k, s in slots.items():
+        if chunk_group(k) == 1:
+            h.slab.array[s, SHARD - 10 : SHARD] = 0xEE  # past group 1's bytes: not stored
+    h.close()  # drains write-behind
+    assert all(on_disk(disk, k) for k in keys)
+
+    h2 = env.hier(disk)  # a new process view: fresh slab, empty index, same store
+    assert h2.lookup_many(keys) == [PENDING] * 6
+    eventually(lambda: h2.lookup_many(keys) == [HIT] * 6, "promotion")
+    loaded = h2.prepare_load(keys)
+    for s, k in zip(loaded, keys, strict=True):
+        assert holds(h2.slab, s, k)
+        if chunk_group(k) == 1:
+            assert not h2.slab.array[s, GROUP_BYTES[1] : SHARD].any()
+    h2.complete_load(keys)
+    st = h2.stats()
+    assert st["promotions_completed"] == 6 and st["writes_started"] == 0  # promoted: not rewritten
+
+
+def test_chunk_is_on_disk_only_when_every_shard_is(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(1), key(2)])
+    h.close()
+    disk.delete_many([NS[1] + key(2)])  # rank 1's shard of chunk 2 is gone
+    h2 = env.hier(disk)
+    assert h2.lookup_many([key(1), key(2)]) == [PENDING, MISS]
+
+
+# ---- prefetch -------------------------------------------------------------------------------------
+
+
+def test_prefetch_is_deduplicated_and_bounded(env):
+    disk = env.disk()
+    h = env.hier(disk, slots=16)
+    keys = [key(i) for i in range(6)]
+    store(h, keys)
+    h.close()
+
+    gated = GatedDisk(disk)
+    gated.reads_open.clear()
+    h2 = env.hier(gated, max_concurrent_reads=2, read_threads=4)
+    for _ in range(5):  # a scheduler asking again every step while the reads are stuck
+        assert h2.lookup_many(keys) == [PENDING] * 6
+        assert h2.promote(keys) == [PENDING] * 6
+    eventually(lambda: gated.active_reads == 2, "two reads in flight")
+    assert h2.stats()["promotions_started"] == 6
+    gated.reads_open.set()
+    eventually(lambda: h2.lookup_many(keys) == [HIT] * 6, "promotions")
+    assert sorted(gated.get_calls) == sorted(ns + k for k in keys for ns in NS)  # once each
+    assert gated.max_active_reads <= 2
+
+
+def test_hits_are_protected_from_promotion_eviction(env):
+    disk = env.disk()
+    h = env.hier(disk, slots=4)
+    store(h, [key(i) for i in range(4)])
+    h.close()
+    h2 = env.hier(disk, slots=2)
+    store(h2, [key(10), key(11)])
+    eventually(lambda: h2.stats()["write_inflight_bytes"] == 0, "write-behind")  # unpins them
+    # key(10), key(11) are HIT in this batch: promoting key(0) must not evict them.
+    assert h2.lookup_many([key(10), key(11), key(0)]) == [HIT, HIT, MISS]
+    assert h2.stats()["promote_no_room"] == 1
+    assert h2.lookup_many([key(10), key(0)]) == [HIT, PENDING]  # key(11) may go now
+    eventually(lambda: h2.lookup_many([key(0)]) == [HIT], "promotion")
+
+
+def _corrupt(db_path, k: bytes) -> None:
+    with lmdb.open(str(db_path), max_dbs=4) as raw:
+        payload = raw.open_db(b"payload")
+        with raw.begin(write=True) as txn:
+            frame = bytearray(txn.get(k, db=payload))
+            frame[len(frame) // 2] ^= 0xFF
+            txn.put(k, bytes(frame), db=payload)
+
+
+def test_corrupt_record_is_a_miss_not_an_error(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(1), key(2)])
+    h.close()
+    disk.close()
+    _corrupt(env.db_path, NS[1] + key(2))
+    disk = env.disk()
+    h2 = env.hier(disk)
+    assert h2.lookup_many([key(1), key(2)]) == [PENDING, PENDING]
+    eventually(lambda: PENDING not in h2.lookup_many([key(1), key(2)]), "promotions")
+    assert h2.lookup_many([key(1), key(2)]) == [HIT, MISS]
+    st = h2.stats()
+    assert st["promotions_failed"] == 1 and st["promotions_started"] == 2  # not retried
+    assert h2.pool.free_slots == h2.pool.num_slots - 1  # the failed slot went back
+    # The chunk can be stored again and then reads back fine.
+    store(h2, [key(2)])
+    assert h2.lookup_many([key(2)]) == [HIT]
+
+
+def test_wrong_size_record_is_a_miss_and_not_refetched(env):
+    """A record of another geometry (e.g. written by an older layout) is never retried."""
+    disk = env.disk()
+    k = key(5, group=1)
+    short = np.zeros(GROUP_BYTES[1] - 8, dtype=np.uint8)
+    assert disk.put_many([(ns + k, short, "int8") for ns in NS]) == 2
+    h = env.hier(disk)
+    assert h.lookup_many([k]) == [PENDING]
+    eventually(lambda: h.lookup_many([k]) == [MISS], "failed promotion")
+    for _ in range(3):
+        assert h.lookup_many([k]) == [MISS]
+    assert h.stats()["promotions_started"] == 1 and h.stats()["promotions_failed"] == 1
+
+
+# ---- write-behind: admission, backpressure, drain ----------------------------------------------
+
+
+def test_admission_after_n_offers(env):
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    h = env.hier(gated, admit_after=2)
+    store(h, [key(1)])
+    assert h.stats()["writes_started"] == 0  # offered once
+    assert h.lookup_many([key(1)]) == [HIT]  # reused: second offer
+    eventually(lambda: on_disk(disk, key(1)), "admitted write")
+    assert h.lookup_many([key(1)]) == [HIT]
+    assert h.stats()["writes_started"] == 1  # written once
+
+
+def test_backpressure_drops_when_disk_lags(env):
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    gated.writes_open.clear()
+    h = env.hier(gated, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES)
+    keys = [key(i) for i in range(4)]
+    store(h, keys)  # returns although the disk accepts nothing: callers never block
+    assert h.lookup_many(keys) == [HIT] * 4
+    st = h.stats()
+    assert st["writes_started"] == 1 and st["writes_dropped"] == 3
+    gated.writes_open.set()
+    h.close()
+    assert [on_disk(disk, k) for k in keys] == [True, False, False, False]
+
+
+def test_backpressure_defers_and_close_drains_everything(env):
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    gated.writes_open.clear()
+    h = env.hier(
+        gated,
+        slots=8,
+        write_backpressure="defer",
+        max_write_inflight_bytes=CHUNK_BYTES,
+        max_deferred_bytes=4 * CHUNK_BYTES,
+    )
+    keys = [key(i) for i in range(6)]
+    store(h, keys)
+    st = h.stats()
+    assert (st["writes_started"], st["writes_deferred"], st["writes_dropped"]) == (1, 4, 1)
+    # Deferred chunks hold their slots: with 8 slots and 5 pinned, 3 new ones still fit, 4 not.
+    assert h.prepare_store([key(100 + i) for i in range(4)]) is None
+    new = store(h, [key(100 + i) for i in range(2)])
+    assert len(new) == 2
+    assert all(k in h.pool for k in keys[:5])
+    closer = threading.Thread(target=h.close)
+    closer.start()
+    gated.writes_open.set()
+    closer.join(DEADLINE_S)
+    assert not closer.is_alive()
+    assert [on_disk(disk, k) for k in keys] == [True] * 5 + [False]
+    assert not any(on_disk(disk, k) for k in new)  # arrived with the deferral budget full
+    assert h.stats()["writes_dropped"] == 3
+
+
+def test_close_drains_write_behind(env):
+    disk = env.disk()
+    h = env.hier(
+        disk,
+        slots=64,
+        max_write_inflight_bytes=2 * CHUNK_BYTES,
+        max_deferred_bytes=64 * CHUNK_BYTES,
+    )
+    keys = [key(i, group=i % 2) for i in range(40)]
+    store(h, keys)
+    h.close()
+    assert all(on_disk(disk, k) for k in keys)
+    assert h.lookup_many(keys[:1]) == [MISS]  # closed: answers MISS, never raises
+    assert h.prepare_store([key(999)]) is None
+
+
+def test_close_gives_up_on_a_dead_disk_when_asked(env):
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    gated.writes_open.clear()  # the disk never answers while close() waits
+    h = env.hier(gated)
+    store(h, [key(1)])
+    assert h.close(timeout=0.2) is False
+    gated.writes_open.set()
+    assert h.close() is True  # idempotent
+
+
+# ---- eviction under pressure ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_eviction_never_touches_chunks_in_flight(env, policy):
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    h = env.hier(gated, slots=4, policy=policy)
+    a, b, c, d = (key(i) for i in range(4))
+    store(h, [a, b])
+    eventually(lambda: h.stats()["writes_completed"] == 2, "writes")
+    gated.writes_open.clear()
+    store(h, [c])  # its disk write is stuck: c is pinned by write-behind
+    loading = h.prepare_load([a])  # a is pinned by a device load
+    pending = h.prepare_store([d])  # d: device -> host copy in flight
+    assert pending is not None
+    # Only b is idle: one new chunk fits, two do not.
+    assert h.prepare_store([key(10), key(11)]) is None
+    slots = store(h, [key(10)])
+    assert b not in h.pool and all(k in h.pool for k in (a, c, d))
+    assert slots[key(10)] not in (h.pool.get(a)[0], h.pool.get(c)[0], pending[d])
+    assert holds(h.slab, loading[0], a) and holds(h.slab, h.pool.get(c)[0], c)
+    h.complete_load([a])
+    gated.writes_open.set()
+    h.complete_store([d])
+    eventually(lambda: h.stats()["write_inflight_bytes"] == 0, "writes")
+    # Everything is idle again: a full batch of new chunks fits.
+    assert h.prepare_store([key(20 + i) for i in range(4)]) is not None
+
+
+def test_reset_drops_idle_host_chunks(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(1), key(2)])
+    h.prepare_store([key(3)])  # in flight: survives the reset
+    eventually(lambda: h.stats()["write_inflight_bytes"] == 0, "writes")
+    assert h.reset() is False
+    assert h.lookup_many([key(3)]) == [PENDING]
+    assert h.pool.lookup_many([key(1), key(2)]) == [0, 0]
+    # Still on disk: a lookup promotes them back.
+    assert h.lookup_many([key(1)]) == [PENDING]
+
+
+# ---- concurrency ----------------------------------------------------------------------------------
+
+
+def test_concurrent_store_lookup_load(env):
+    """The scheduler thread stores, looks up and loads while the I/O thread completes writes and
+    promotions and a third thread probes the index and reads stats (lock contention)."""
+    disk = env.disk()
+    h = env.hier(disk, slots=12, max_write_inflight_bytes=3 * CHUNK_BYTES)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def scheduler() -> None:
+        rng = np.random.default_rng(7)
+        try:
+            for _ in range(600):
+                batch = [key(int(i), group=int(i) % 2) for i in rng.integers(0, 40, 3)]
+                states = h.lookup_many(batch)
+                # As vLLM does: a request's load is prepared right after its lookup.
+                hits = [k for k, s in zip(batch, states, strict=True) if s == HIT]
+                if hits:
+                    slots = h.prepare_load(hits)
+                    for s, k in zip(slots, hits, strict=True):
+                        assert holds(h.slab, s, k), "a loaded slot holds another chunk's bytes"
+                    h.complete_load(hits)
+                misses = [k for k, s in zip(batch, states, strict=True) if s == MISS]
+                if misses:
+                    slots = h.prepare_store(misses)
+                    if slots:
+                        for k, s in slots.items():
+                            fill(h.slab, s, k)
+                        h.complete_store(list(slots), success=bool(rng.integers(0, 8)))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    def prober() -> None:
+        try:
+            while not stop.is_set():
+                assert h.lookup_many([key(10_000 + i) for i in range(8)]) == [MISS] * 8
+                h.stats()
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=scheduler), threading.Thread(target=prober)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    h.close()
+    st = h.stats()
+    assert st["host"]["referenced"] == 0 and st["host"]["not_ready"] == 0
+    assert st["writes_completed"] > 0 and st["promotions_completed"] > 0
+    assert st["writes_started"] == st["writes_completed"] + st["writes_failed"]
+    assert st["promotions_failed"] == 0
+
+
+async def test_scheduler_calls_from_an_event_loop(env):
+    """A caller living in its own asyncio loop: calls return at once, prefetch lands later."""
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(1)])
+    h.close()
+    gated = GatedDisk(disk)
+    gated.reads_open.clear()
+    h2 = env.hier(gated)
+    assert h2.lookup_many([key(1)]) == [PENDING]  # returns with the read still blocked
+    gated.reads_open.set()
+    for _ in range(int(DEADLINE_S / 0.005)):
+        if h2.lookup_many([key(1)]) == [HIT]:
+            break
+        await asyncio.sleep(0.005)
+    assert h2.lookup_many([key(1)]) == [HIT]
