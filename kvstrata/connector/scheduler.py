@@ -499,8 +499,30 @@ class StrataScheduler:
         now = time.monotonic()
         if now - self._tiers_at >= 1.0:
             self._tiers_at = now
-            self.stats.tiers = self.hierarchy.stats()
+            self.stats.tiers = self._tier_snapshot()
         out, self.stats = self.stats, StrataStats()
+        return out
+
+    def _tier_snapshot(self) -> dict[str, int]:
+        """Flat per-tier figures for the stats gauges (cumulative, newest wins)."""
+        h = self.hierarchy.stats()
+        host = h.get("host", {})
+        out = {
+            "host_chunks": int(host.get("used", 0)),
+            "host_bytes": int(host.get("used", 0)) * self.plan.slot_bytes,
+            "promotions": int(h.get("promotions_completed", 0)),
+            "writes_behind": int(h.get("writes_completed", 0)),
+        }
+        disk = self.hierarchy.disk
+        if disk is not None:
+            d = disk.stats()
+            out.update(
+                disk_entries=int(d["entries"]), disk_raw_bytes=int(d["raw_bytes"]),
+                disk_stored_bytes=int(d["stored_bytes"]), disk_evictions=int(d.get("evictions", 0)),
+                disk_admission_drops=int(d.get("admission_drops", 0)) + int(h.get("writes_dropped", 0)),
+                disk_errors=int(d.get("sync_errors", 0)) + int(h.get("writes_failed", 0)),
+                disk_corrupt=int(d.get("corrupt", 0)) + int(h.get("promotions_failed", 0)),
+            )
         return out
 
     def shutdown(self) -> None:

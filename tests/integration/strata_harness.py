@@ -184,6 +184,7 @@ class Runner:
         self.loaded_tokens: dict[str, int] = {}
         self.outputs: dict[str, list[int]] = {}
         self.load_errors: list[str] = []
+        self.stats: Any = None  # connector stats as vLLM's stats logger sees them
         self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
 
     # ----------------------------------------------------------------- requests
@@ -242,7 +243,12 @@ class Runner:
                 failed_recving=results.failed_recving, kv_connector_worker_meta=wmeta,
             ),
         )
-        self.scheduler.update_from_output(so, out)
+        for eco in self.scheduler.update_from_output(so, out).values():
+            sched_stats = eco.scheduler_stats
+            if sched_stats is not None and sched_stats.kv_connector_stats:
+                # What vLLM's logger receives: rebuilt from the dict, aggregated over steps.
+                step_stats = StrataConnector.build_kv_connector_stats(sched_stats.kv_connector_stats)
+                self.stats = step_stats if self.stats is None else self.stats.aggregate(step_stats)
 
     def _new_loads(self, so: Any) -> dict[str, int]:
         loads = {}

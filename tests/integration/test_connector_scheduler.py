@@ -177,3 +177,19 @@ def test_random_hash_seed_keeps_a_session_only_store(model_dir: Path, tmp_path: 
         assert r.connector.plan.persistent is False
     finally:
         r.close()
+
+
+def test_connector_stats_report_tiers_and_hits(runners) -> None:
+    from kvstrata.connector.connector import StrataConnector
+
+    r = runners([G("full", 16)])
+    assert _store_then_serve(r, _prompt(100)) == 96
+    assert r.stats is not None and not r.stats.is_empty()
+    data = r.stats.data
+    assert data["hit_tokens"] == 96 and data["hit_tokens_host"] == 96 and data["hit_tokens_disk"] == 0
+    assert data["store_jobs"] >= 1 and data["load_jobs"] == 1
+    assert data["bytes_loaded"] > 0 and data["bytes_stored"] >= data["bytes_loaded"]
+    assert data["host_chunks"] == 6
+    # vLLM rebuilds the stats object from the dict in its logger process.
+    rebuilt = StrataConnector.build_kv_connector_stats(data)
+    assert rebuilt.reduce()["hit_tokens"] == 96
