@@ -1,0 +1,487 @@
+"""Run a real vLLM engine with kvstrata, in this process or as a fresh one.
+
+Shared by ``kvstrata demo``, ``kvstrata bench e2e`` and the end-to-end tests. The unit of work is a
+*job*: engine options plus a list of steps (generate, reset the prefix cache, drop the page cache).
+:func:`run_job` executes one in this process; :func:`run_job_subprocess` executes it in a new
+Python process, which is how callers get *real* restarts: a store reopened by a process that has
+never seen it, with no state left over in memory.
+
+Child protocol (``python -m kvstrata.tools.engine JOB RESULT PROGRESS``): the job and the result are
+JSON files, progress is a JSON-lines file the parent may poll. vLLM's own logging goes to the
+child's stdout/stderr, which the parent sends to a log file and shows only on failure.
+
+vLLM is imported lazily (inside the functions), so the parent of a subprocess job never pays for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+# Engine counters a caller may want per step (deltas): vLLM's own prefix-cache accounting
+# (per tier) and every kvstrata counter/gauge (``vllm:kvstrata_*``).
+_VLLM_METRICS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:prompt_tokens_cached",
+    "vllm:prompt_tokens_cached_by_source",
+)
+_KVSTRATA_PREFIX = "vllm:kvstrata_"
+
+ProgressFn = Callable[[str], None]
+
+
+@dataclass
+class EngineOptions:
+    """Everything needed to build one ``vllm.LLM``; JSON-serialisable (``asdict``)."""
+
+    model: str
+    # kvstrata store directory; None runs vLLM without kvstrata (a baseline, or another connector
+    # passed as ``llm_kwargs["kv_transfer_config"]``).
+    store: str | None = None
+    host_bytes: int = 256 << 20
+    # Further ``kv_connector_extra_config`` keys (kvstrata.connector.config.StrataConfig).
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_cache_memory_bytes: int = 256 << 20
+    max_model_len: int = 8192
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    dtype: str | None = None
+    enforce_eager: bool = True
+    skip_tokenizer_init: bool = False
+    speculative_config: dict[str, Any] | None = None
+    distributed_executor_backend: str | None = None
+    # False runs the engine core in the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which
+    # starts several times faster. True is vLLM's default: the engine core in its own process.
+    multiprocess: bool = False
+    seed: int = 0
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineOptions:
+        return cls(**data)
+
+
+def strata_transfer_config(store: str | os.PathLike[str] | None, *, host_bytes: int,
+                           **extra: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that loads kvstrata (the same dict a user passes)."""
+    options: dict[str, Any] = {"host_bytes": host_bytes, **extra}
+    if store is not None:
+        options["store_path"] = str(store)
+    return {
+        "kv_connector": "StrataConnector",
+        "kv_connector_module_path": "kvstrata.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": options,
+    }
+
+
+def build_llm(opts: EngineOptions) -> LLM:
+    """A ``vllm.LLM`` for ``opts``. Sets the multiprocessing switch before vLLM reads it."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if opts.multiprocess else "0"
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": opts.model,
+        "enforce_eager": opts.enforce_eager,
+        "kv_cache_memory_bytes": opts.kv_cache_memory_bytes,
+        "max_model_len": opts.max_model_len,
+        "skip_tokenizer_init": opts.skip_tokenizer_init,
+        "seed": opts.seed,
+        # Per-request first-token latency and the prefix-cache/connector counters need stats.
+        "disable_log_stats": False,
+        # Stored KV is found again only if block hashes are identical in every process.
+        "prefix_caching_hash_algo": "sha256",
+        "enable_prefix_caching": True,
+    }
+    if opts.store is not None:
+        kwargs["kv_transfer_config"] = strata_transfer_config(
+            opts.store, host_bytes=opts.host_bytes, **opts.extra_config)
+    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "dtype",
+                 "speculative_config", "distributed_executor_backend"):
+        value = getattr(opts, name)
+        if value is not None:
+            kwargs[name] = value
+    kwargs.update(opts.llm_kwargs)
+    return LLM(**kwargs)
+
+
+@dataclass
+class Completion:
+    """One request's result."""
+
+    token_ids: list[int]
+    text: str | None
+    prompt_tokens: int
+    # Arrival to first token, measured by the engine (includes kvstrata lookups and loads).
+    ttft_s: float | None
+    num_cached_tokens: int
+
+
+def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int, *,
+             cache_salt: str | None = None, ignore_eos: bool = True,
+             kv_transfer_params: dict[str, Any] | None = None) -> list[Completion]:
+    """Greedy generation of ``max_tokens`` tokens for each token-id prompt (one batch).
+
+    ``cache_salt`` enters the first block's hash, so salted prompts share no KV with unsalted or
+    differently salted ones: it makes a "cold" request cold on a store that saw the prompt before.
+    ``kv_transfer_params`` go to the connector per request (e.g. ``{"max_load_tokens": 0,
+    "max_offload_tokens": 0}`` keeps a request away from kvstrata entirely).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            detokenize=not llm.llm_engine.model_config.skip_tokenizer_init,
+                            extra_args={"kv_transfer_params": kv_transfer_params}
+                            if kv_transfer_params else None)
+    requests = []
+    for p in prompts:
+        request = TokensPrompt(prompt_token_ids=list(p))
+        if cache_salt:
+            request["cache_salt"] = cache_salt
+        requests.append(request)
+    outs = llm.generate(requests, params, use_tqdm=False)
+    result = []
+    for out in outs:
+        metrics = getattr(out, "metrics", None)
+        ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+        completion = out.outputs[0]
+        result.append(Completion(
+            token_ids=list(completion.token_ids),
+            text=completion.text if completion.text else None,
+            prompt_tokens=len(out.prompt_token_ids or ()),
+            ttft_s=float(ttft) if ttft else None,
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+        ))
+    return result
+
+
+@dataclass
+class MetricsSnapshot:
+    """Cache metric values (``name`` or ``name{source=...}``) and which of them are gauges."""
+
+    values: dict[str, float]
+    gauges: set[str]
+
+
+def metrics_snapshot(llm: LLM) -> MetricsSnapshot:
+    """Current values of the cache metrics, vLLM's and kvstrata's.
+
+    Read from vLLM's Prometheus registry in the frontend process, so it works the same whether
+    the scheduler lives in this process or another one.
+    """
+    from vllm.v1.metrics.reader import Counter, Gauge
+
+    snap = MetricsSnapshot({}, set())
+    for metric in llm.get_metrics():
+        if not isinstance(metric, (Counter, Gauge)):
+            continue
+        name = metric.name
+        if not (name in _VLLM_METRICS or name.startswith(_KVSTRATA_PREFIX)):
+            continue
+        if "source" in metric.labels:
+            name = f"{name}{{source={metric.labels['source']}}}"
+        snap.values[name] = snap.values.get(name, 0.0) + float(metric.value)
+        if isinstance(metric, Gauge):
+            snap.gauges.add(name)
+    return snap
+
+
+def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:
+    """Counters as increments over a step; gauges (tier figures) as their latest value."""
+    return {name: value if name in after.gauges else value - before.values.get(name, 0.0)
+            for name, value in after.values.items()}
+
+
+def drop_page_cache() -> bool:
+    """Flush and drop the OS page cache so the next read comes from the device, if permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def shutdown_llm(llm: LLM) -> None:
+    """Shut the engine down now (not at interpreter exit): the connector drains its disk writes.
+
+    The scheduler's ``shutdown`` calls the connector's, which flushes write-behind to LMDB; a
+    process that exits without it may lose the last stores.
+    """
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+
+
+def store_summary(store: str | os.PathLike[str], model: str | None = None) -> dict[str, Any]:
+    """What a kvstrata store holds, read from the store itself (no engine needed).
+
+    Whole-store totals from ``DiskStore.stats()``, plus the entries, tokens and bytes of the
+    namespaces (fingerprints) registered for ``model`` when given. Store keys are the 16-byte
+    namespace followed by the chunk key (docs/DESIGN.md). Returns ``{"exists": False}`` for a
+    directory that holds no store yet.
+    """
+    from kvstrata.connector.keys import NAMESPACE_BYTES
+    from kvstrata.tiers.disk import DiskStore
+
+    if not (Path(store) / "data.mdb").exists():
+        return {"exists": False, "path": str(store)}
+    with DiskStore(store, budget_bytes=1 << 40, readonly=True, create=False) as disk:
+        stats = disk.stats()
+        namespaces = disk.namespaces()
+        out: dict[str, Any] = {
+            "exists": True,
+            "path": str(store),
+            "entries": stats["entries"],
+            "raw_bytes": stats["raw_bytes"],
+            "stored_bytes": stats["stored_bytes"],
+            "compression_ratio": stats["compression_ratio"],
+            "file_bytes": stats["file_bytes"],
+            "namespaces": len(namespaces),
+        }
+        if model is None:
+            return out
+        mine = {ns: info for ns, info in namespaces.items() if info.get("model") == str(model)}
+        entries = raw = stored = 0
+        per_group: dict[int, int] = {}
+        for key, rec in disk.iter_index():
+            if key[:NAMESPACE_BYTES] in mine:
+                entries += 1
+                raw += rec.raw_len
+                stored += rec.stored_len
+                per_group[rec.group] = per_group.get(rec.group, 0) + 1
+    tokens = 0
+    if mine and per_group:
+        info = next(iter(mine.values()))
+        per_chunk = int(info.get("block_size") or 0) * int(info.get("blocks_per_chunk") or 1)
+        # The most complete group (full attention keeps every chunk; windowed and Mamba groups
+        # keep fewer) of one rank gives the tokens covered.
+        tokens = max(per_group.values()) // len(mine) * per_chunk
+    out["model"] = {"namespaces": len(mine), "entries": entries, "tokens": tokens,
+                    "raw_bytes": raw, "stored_bytes": stored,
+                    "compression_ratio": raw / stored if stored else 1.0}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Jobs
+# --------------------------------------------------------------------------------------------
+
+
+def run_job(job: dict[str, Any], progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Run a job in this process. Steps:
+
+    * ``{"op": "generate", "name": ..., "prompts": [[ids]...], "max_tokens": n,
+      "cache_salt": s, "ignore_eos": b, "kv_transfer_params": {...}}`` (all but prompts optional)
+    * ``{"op": "reset_prefix_cache"}`` (vLLM's device prefix cache only; kvstrata keeps its tiers)
+    * ``{"op": "drop_page_cache"}``
+    * ``{"op": "sleep", "seconds": s}``
+
+    Returns ``{"import_s", "engine_start_s", "steps": [...], "shutdown_s"}``; each generate step
+    reports its completions and the metric deltas it caused.
+    """
+    say = progress or (lambda _msg: None)
+    opts = EngineOptions.from_dict(job["engine"])
+    t0 = time.perf_counter()
+    say("importing vLLM")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if opts.multiprocess else "0"
+    import vllm  # noqa: F401  (timed separately from the engine start)
+
+    t1 = time.perf_counter()
+    say("starting the engine")
+    llm = build_llm(opts)
+    t2 = time.perf_counter()
+    result: dict[str, Any] = {"import_s": t1 - t0, "engine_start_s": t2 - t1, "steps": []}
+    try:
+        for step in job.get("steps", []):
+            result["steps"].append(_run_step(llm, step, say))
+    finally:
+        say("shutting down")
+        t3 = time.perf_counter()
+        shutdown_llm(llm)
+        result["shutdown_s"] = time.perf_counter() - t3
+    return result
+
+
+def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]:
+    op = step["op"]
+    name = step.get("name", op)
+    if op == "generate":
+        prompts = step["prompts"]
+        say(f"{name}: {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens")
+        before = metrics_snapshot(llm)
+        t = time.perf_counter()
+        outs = generate(llm, prompts, int(step.get("max_tokens", 16)),
+                        cache_salt=step.get("cache_salt"),
+                        ignore_eos=bool(step.get("ignore_eos", True)),
+                        kv_transfer_params=step.get("kv_transfer_params"))
+        wall = time.perf_counter() - t
+        return {"op": op, "name": name, "wall_s": wall,
+                "outputs": [asdict(o) for o in outs],
+                "metrics": metrics_delta(before, metrics_snapshot(llm))}
+    if op == "reset_prefix_cache":
+        return {"op": op, "name": name, "ok": bool(llm.reset_prefix_cache())}
+    if op == "drop_page_cache":
+        return {"op": op, "name": name, "ok": drop_page_cache()}
+    if op == "sleep":
+        time.sleep(float(step["seconds"]))
+        return {"op": op, "name": name}
+    raise ValueError(f"unknown job step {op!r}")
+
+
+class JobError(RuntimeError):
+    """A subprocess job failed; ``log_tail`` holds the end of its output."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(f"{message}\n--- last lines of the engine log ---\n{log_tail}"
+                         if log_tail else message)
+        self.log_tail = log_tail
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an engine subprocess.
+
+    PYTHONHASHSEED is removed: vLLM's sha256 block hashes are seeded with it when it is set, and
+    a parent that set it for itself must not make a child's keys differ from a later user's.
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_job_subprocess(
+    job: dict[str, Any],
+    *,
+    timeout_s: float = 600.0,
+    progress: ProgressFn | None = None,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+) -> dict[str, Any]:
+    """Run ``job`` in a fresh Python process (a real restart) and return its result.
+
+    ``progress`` receives the child's progress messages while it runs. Raises :class:`JobError`
+    with the tail of the engine log if the child fails or times out.
+    """
+    return run_jobs_subprocess([job], timeout_s=timeout_s, progress=progress, env=env,
+                               log_path=log_path)[0]
+
+
+def run_jobs_subprocess(
+    jobs: Sequence[dict[str, Any]],
+    *,
+    timeout_s: float = 600.0,
+    progress: ProgressFn | None = None,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Run several jobs one after another in one fresh process (one engine at a time).
+
+    Each engine is shut down before the next starts, so they may share a store; only the
+    Python/vLLM import is paid once. Use separate calls where a restart is the point.
+    """
+    with tempfile.TemporaryDirectory(prefix="kvstrata-job-") as tmp:
+        tmpdir = Path(tmp)
+        job_file, result_file, progress_file = (tmpdir / n for n in
+                                                ("job.json", "result.json", "progress.jsonl"))
+        job_file.write_text(json.dumps({"jobs": list(jobs)}))
+        progress_file.touch()
+        log_file = log_path or tmpdir / "engine.log"
+        cmd = [sys.executable, "-m", "kvstrata.tools.engine", str(job_file), str(result_file),
+               str(progress_file)]
+        with open(log_file, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=child_env(env))
+            try:
+                _follow(proc, progress_file, progress, timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise JobError(f"engine job timed out after {timeout_s:.0f} s",
+                               _tail(log_file)) from None
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+        if proc.returncode != 0 or not result_file.exists():
+            raise JobError(f"engine job exited with status {proc.returncode}", _tail(log_file))
+        return json.loads(result_file.read_text())
+
+
+def _follow(proc: subprocess.Popen[bytes], progress_file: Path, progress: ProgressFn | None,
+            timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    offset = 0
+    while True:
+        try:
+            proc.wait(timeout=0.2)
+            done = True
+        except subprocess.TimeoutExpired:
+            done = False
+        if progress is not None:
+            with open(progress_file, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            # Only whole lines: the child may be in the middle of writing one.
+            end = chunk.rfind(b"\n") + 1
+            offset += end
+            for line in chunk[:end].splitlines():
+                with contextlib.suppress(ValueError):
+                    progress(json.loads(line)["msg"])
+        if done:
+            return
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _child_main(argv: list[str]) -> int:
+    job_file, result_file, progress_file = (Path(a) for a in argv)
+    jobs = json.loads(job_file.read_text())["jobs"]
+    lock = threading.Lock()
+
+    def say(msg: str) -> None:
+        with lock, open(progress_file, "a") as f:
+            f.write(json.dumps({"t": time.time(), "msg": msg}) + "\n")
+
+    results = [run_job(job, say) for job in jobs]
+    tmp = result_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results))
+    tmp.rename(result_file)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        print("usage: python -m kvstrata.tools.engine JOB.json RESULT.json PROGRESS.jsonl",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_child_main(sys.argv[1:]))

@@ -1,0 +1,258 @@
+"""Where a disk-tier first token goes: a timeline of one restarted engine's first request.
+
+For kvstrata or vLLM's fs tier (the ``bench e2e --vs-vllm-fs`` contenders, same engine options):
+process 1 stores the prompt (cold request, as in the benchmark); process 2, a real restart with
+the page cache dropped, runs the prompt once with timing wrappers around the engine loop, the
+model forward, the connector hooks and each system's lookup / disk read / decompress / copy
+functions. Each wrapped function reports calls, busy seconds (summed over threads) and its span
+(first start, last end) relative to the request's arrival, counting only calls that start before
+the first token. Python-level wrappers add a few microseconds per call; the per-block functions
+are called at most a few thousand times, so the overhead stays in the low milliseconds.
+
+``python -m kvstrata.tools.profile_disk_ttft --system vllm_fs --prompt-tokens 8192``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvstrata.tools.engine import JobError, child_env, run_job, run_job_subprocess
+
+# "module:Class.method" or "module:function"; missing targets are skipped (versions move).
+COMMON_TARGETS = (
+    "vllm.v1.core.sched.scheduler:Scheduler.add_request",
+    "vllm.v1.engine.core:EngineCore.step",
+    "vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.execute_model",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.sample_tokens",
+)
+SYSTEM_TARGETS = {
+    "kvstrata": (
+        "kvstrata.connector.connector:StrataConnector.get_num_new_matched_tokens",
+        "kvstrata.connector.connector:StrataConnector.update_state_after_alloc",
+        "kvstrata.connector.connector:StrataConnector.build_connector_meta",
+        "kvstrata.connector.connector:StrataConnector.update_connector_output",
+        "kvstrata.connector.connector:StrataConnector.start_load_kv",
+        "kvstrata.connector.connector:StrataConnector.wait_for_layer_load",
+        "kvstrata.connector.connector:StrataConnector.get_finished",
+        "kvstrata.tiers.hierarchy:Hierarchy.lookup_many",
+        "kvstrata.tiers.hierarchy:Hierarchy.promote",
+        "kvstrata.tiers.hierarchy:Hierarchy._read_chunk",
+        "kvstrata.tiers.disk:DiskStore.get_into",
+        "kvstrata.tiers.codec:decode_into",
+        "kvstrata.tiers.device:DeviceStager.load",
+        "kvstrata.tiers.device:DeviceStager._load_cpu",
+    ),
+    "vllm_fs": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+        "OffloadingConnector.get_num_new_matched_tokens",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+        "OffloadingConnector.update_state_after_alloc",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+        "OffloadingConnector.build_connector_meta",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+        "OffloadingConnector.update_connector_output",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+        "OffloadingConnector.start_load_kv",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+        "OffloadingConnector.get_finished",
+        "vllm.v1.kv_offload.tiering.manager:TieringOffloadingManager.lookup",
+        "vllm.v1.kv_offload.tiering.manager:TieringOffloadingManager.on_schedule_end",
+        "vllm.v1.kv_offload.tiering.fs.manager:FsAsyncLookupManager.batch_lookup",
+        "vllm.v1.kv_offload.tiering.fs.manager:batch_load_block",
+        "vllm.v1.kv_offload.tiering.fs.manager:FileSystemTierManager.get_finished_jobs",
+        "kvstrata.tools.vllm_fs_baseline:CPUCopyWorker._copy",
+    ),
+}
+_MODULE = "kvstrata.tools.profile_disk_ttft"
+_ARRIVAL = "Scheduler.add_request"
+_FORWARD = "CPUModelRunner.execute_model"
+
+_events: list[tuple[str, float, float, int]] = []  # (target, start, end, scheduled tokens or -1)
+_events_lock = threading.Lock()
+_majflt_at_arrival = [0]  # major page faults of this process when the request arrived
+_read_at_arrival = [0]  # bytes this process had read from storage then
+
+
+def _read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (reads and page faults)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    forward, arrival = name == _FORWARD, name == _ARRIVAL
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if arrival:
+            _majflt_at_arrival[0] = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            _read_at_arrival[0] = _read_bytes()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            t1 = time.perf_counter()
+            # For the forward: how many tokens it computed (0 = a step with nothing scheduled).
+            tokens = getattr(args[1], "total_num_scheduled_tokens", -1) \
+                if forward and len(args) > 1 else -1
+            with _events_lock:
+                _events.append((name, t0, t1, tokens))
+
+    return timed
+
+
+def install(targets: tuple[str, ...]) -> list[str]:
+    """Wrap each importable target; returns the ones installed."""
+    done = []
+    for target in targets:
+        module_name, _, qual = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        owner: Any = module
+        *path, attr = qual.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, attr):
+            continue
+        setattr(owner, attr, _wrap(qual, getattr(owner, attr)))
+        done.append(qual)
+    return done
+
+
+def summarise(ttft_s: float) -> dict[str, Any]:
+    """Per target, the calls that started between the request's arrival and its first token."""
+    with _events_lock:
+        events = list(_events)
+    arrivals = [e for e in events if e[0] == _ARRIVAL]
+    if not arrivals:
+        return {}
+    t0 = arrivals[-1][1]
+    end = t0 + ttft_s
+    out: dict[str, Any] = {}
+    for name, s, e, tokens in events:
+        if name == _ARRIVAL or not t0 <= s <= end:
+            continue
+        row = out.setdefault(name, {"calls": 0, "busy_s": 0.0, "first_s": s - t0,
+                                    "last_end_s": 0.0})
+        row["calls"] += 1
+        row["busy_s"] += e - s
+        # Per-chunk readers: the first call (cold caches, lazy opens) and the slowest one.
+        if row["calls"] == 1:
+            row["first_call_s"] = e - s
+        row["max_call_s"] = max(row.get("max_call_s", 0.0), e - s)
+        row["last_end_s"] = max(row["last_end_s"], e - t0)
+        if tokens >= 0:
+            key = "compute" if tokens > 0 else "empty"
+            row[f"{key}_steps"] = row.get(f"{key}_steps", 0) + 1
+            row[f"{key}_s"] = row.get(f"{key}_s", 0.0) + (e - s)
+            if tokens > 0:  # few: list them (start, seconds, tokens computed)
+                row.setdefault("compute_detail", []).append(
+                    [round(s - t0, 4), round(e - s, 4), tokens])
+    return {k: {kk: round(v, 4) if isinstance(v, float) else v for kk, v in row.items()}
+            for k, row in sorted(out.items(), key=lambda kv: kv[1]["first_s"])}
+
+
+def _child(job_file: Path, out_file: Path) -> int:
+    job = json.loads(job_file.read_text())
+    # In-process engine (as run_job builds it), set before the wrapped modules import vLLM.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    installed = install(COMMON_TARGETS + SYSTEM_TARGETS[job["system"]])
+    result = run_job(job)
+    # Pages read from disk by faults since the request arrived (code or data the page-cache drop
+    # evicted), up to the end of the request: a restart cost that is not the KV tier's.
+    majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - _majflt_at_arrival[0]
+    read = _read_bytes() - _read_at_arrival[0]
+    step = next(s for s in result["steps"] if s.get("name") == "disk")
+    ttft_s = float(step["outputs"][0]["ttft_s"])
+    out_file.write_text(json.dumps({
+        "ttft_s": ttft_s, "cached_tokens": step["outputs"][0]["num_cached_tokens"],
+        "page_cache_dropped": any(s["op"] == "drop_page_cache" and s.get("ok")
+                                  for s in result["steps"]),
+        "major_faults": majflt, "storage_read_bytes": read, "token_ids": step["outputs"][0]["token_ids"],
+        "installed": installed, "timeline": summarise(ttft_s)}))
+    return 0
+
+
+def profile(system: str, args: argparse.Namespace, store: Path) -> dict[str, Any]:
+    """Store the prompt in one process, then profile its disk-served first token in another."""
+    from kvstrata.tools.bench_e2e import kvstrata_contender
+    from kvstrata.tools.bench_vs_vllm import MAX_MODEL_LEN, vllm_fs_contender
+    from kvstrata.tools.corpus import chat_prompt
+    from kvstrata.tools.models import prepare_smollm2
+    from kvstrata.tools.ttft import BYPASS_KVSTRATA
+
+    model = prepare_smollm2(args.model_cache)
+    n = min(args.prompt_tokens, MAX_MODEL_LEN - args.max_tokens)
+    at_n = argparse.Namespace(**{**vars(args), "prompt_tokens": n})
+    contender = (kvstrata_contender if system == "kvstrata" else vllm_fs_contender)(model, at_n)
+    opts = asdict(contender.options(store))
+    prompt = chat_prompt(model, n).token_ids
+    gen = {"op": "generate", "prompts": [prompt], "max_tokens": args.max_tokens}
+    first = run_job_subprocess({"engine": opts, "steps": [{**gen, "name": "cold"}]},
+                               timeout_s=900.0)
+    drop = [] if args.no_drop_caches else [{"op": "drop_page_cache"}]
+    # As in ttft.measure: the prompt under another salt, the connector bypassed, so one-time
+    # kernel setup and the code the page-cache drop would evict are not in the timeline.
+    warm = [] if args.no_warmup else [{**gen, "name": "warmup", "max_tokens": 2,
+                                       "cache_salt": "kvstrata-profile-warmup",
+                                       "kv_transfer_params": BYPASS_KVSTRATA}]
+    job = {"system": system, "engine": opts, "steps": [*warm, *drop, {**gen, "name": "disk"}]}
+    with tempfile.TemporaryDirectory(prefix="kvstrata-profile-") as tmp:
+        job_file, out_file, log = (Path(tmp) / n for n in ("job.json", "out.json", "log"))
+        job_file.write_text(json.dumps(job))
+        with open(log, "wb") as f:
+            rc = subprocess.call([sys.executable, "-m", _MODULE, "--child", str(job_file),
+                                  str(out_file)], stdout=f, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env=child_env(), timeout=900)
+        if rc != 0 or not out_file.exists():
+            raise JobError(f"profile child exited with {rc}", log.read_text()[-4000:])
+        res = json.loads(out_file.read_text())
+    cold = first["steps"][0]["outputs"][0]
+    res["outputs_identical"] = res.pop("token_ids") == cold["token_ids"]
+    return {"system": system, "prompt_tokens": len(prompt), "cold_ttft_s": cold["ttft_s"], **res}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return _child(Path(argv[1]), Path(argv[2]))
+    from kvstrata.tools.bench_vs_vllm import add_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=sorted(SYSTEM_TARGETS), action="append",
+                        help="system(s) to profile (default: both)")
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="kvstrata-profile-stores-") as tmp:
+        for system in args.system or sorted(SYSTEM_TARGETS):
+            out.append(profile(system, args, Path(tmp) / system))
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

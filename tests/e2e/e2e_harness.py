@@ -1,0 +1,308 @@
+"""Shared pieces of the end-to-end tests: tiny models, prompts, engine phases, store surgery.
+
+Every engine runs in its own Python process (``kvstrata.tools.engine.run_job_subprocess``), so a
+"restart" is a real one and a crash in vLLM or kvstrata fails one test instead of the session.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstrata.connector.keys import NAMESPACE_BYTES
+from kvstrata.tools import models
+from kvstrata.tools.engine import EngineOptions, run_job_subprocess, run_jobs_subprocess
+
+MAX_TOKENS = 12
+KV_BYTES = 64 << 20
+HOST_BYTES = 64 << 20
+JOB_TIMEOUT_S = 300.0
+
+
+def make_prompts(seed: int = 1234) -> list[list[int]]:
+    """Three prompts: two unrelated, one sharing the first 1000 tokens of the first.
+
+    Long enough for several 128-token blocks and three 384-token (Qwen3-Next) blocks; random
+    token ids well inside the tiny vocabulary.
+    """
+    rng = random.Random(seed)
+    a = [rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(1300)]
+    b = [rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(900)]
+    c = a[:1000] + [rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(200)]
+    return [a, b, c]
+
+
+PROMPTS = make_prompts()
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One architecture under test and the engine settings it needs on CPU."""
+
+    name: str
+    build: Callable[[Path, int], Path]  # (directory, seed) -> model directory
+    engine: dict[str, Any] = field(default_factory=dict)
+    eagle: bool = False
+
+    def options(self, model_dir: Path, store: Path, **overrides: Any) -> EngineOptions:
+        engine = dict(self.engine)
+        if self.eagle:
+            engine["speculative_config"] = {
+                "method": "eagle", "model": str(model_dir / "draft"), "num_speculative_tokens": 2}
+            model_dir = model_dir / "target"
+        return EngineOptions(
+            model=str(model_dir), store=str(store), host_bytes=HOST_BYTES,
+            kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, skip_tokenizer_init=True,
+            **{**engine, **overrides})
+
+    def model_path(self, model_dir: Path) -> str:
+        return str(model_dir / "target") if self.eagle else str(model_dir)
+
+
+def _llama_with_eagle(out: Path, seed: int) -> Path:
+    models.make_tiny_llama(out / "target", seed=seed)
+    models.make_tiny_eagle_draft(out / "target", out / "draft", seed=seed + 1)
+    return out
+
+
+CASES: dict[str, ModelCase] = {
+    "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s)),
+    "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s)),
+    # GDN blocks are storable only when prefill chunks end on the 384-token block. One sequence
+    # per step: CPU GDN runs only in bf16, where a request's numerics depend on what else is in
+    # its batch; a reloaded request batched differently from its cold run then flips greedy
+    # near-ties (top-2 logprobs one bf16 step apart were seen). Alone, both runs compute the same
+    # chunks and are bit-identical, so any difference is kvstrata's.
+    "qwen3_next": ModelCase("qwen3_next", lambda d, s: models.make_tiny_qwen3_next(d, seed=s),
+                            engine={"max_num_batched_tokens": 384, "max_num_seqs": 1}),
+    "llama_eagle": ModelCase("llama_eagle", _llama_with_eagle, eagle=True),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Engine phases
+# ------------------------------------------------------------------------------------------
+
+
+def generate_step(name: str, prompts: list[list[int]] = PROMPTS) -> dict[str, Any]:
+    return {"op": "generate", "name": name, "prompts": prompts, "max_tokens": MAX_TOKENS}
+
+
+def run_phase(opts: EngineOptions, steps: list[dict[str, Any]], log: Path) -> dict[str, dict[str, Any]]:
+    """Run ``steps`` in a new engine process; the steps by name."""
+    result = run_job_subprocess({"engine": asdict(opts), "steps": steps},
+                                timeout_s=JOB_TIMEOUT_S, log_path=log)
+    return _by_name(result)
+
+
+def _by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {s["name"]: s for s in result["steps"]}
+
+
+def token_ids(step: dict[str, Any]) -> list[list[int]]:
+    return [o["token_ids"] for o in step["outputs"]]
+
+
+def metric(step: dict[str, Any], name: str) -> float:
+    """A metric delta of a step; kvstrata's connector stats are ``kvstrata_<counter>``."""
+    return float(step["metrics"].get(f"vllm:{name}", 0.0))
+
+
+def kvstrata_hits(step: dict[str, Any]) -> float:
+    return metric(step, "kvstrata_hit_tokens")
+
+
+def _stage(fn: Callable[[Scenario], Any]) -> property:
+    """A stage that runs once: its result, or its failure, is remembered for later tests."""
+
+    def get(self: Scenario) -> Any:
+        name = fn.__name__
+        if name not in self._done:
+            try:
+                self._done[name] = fn(self)
+            except Exception as exc:  # later tests re-raise it rather than re-run the engines
+                self._done[name] = exc
+        result = self._done[name]
+        if isinstance(result, Exception):
+            raise RuntimeError(f"stage {name} failed earlier: {result}") from result
+        return result
+
+    return property(get)
+
+
+class Scenario:
+    """One model through the whole story, each stage run once, in order, when first needed.
+
+    1. ``first``: cold, ``reset_prefix_cache()``, the same prompts again (host tier);
+    2. ``restart``: a new process on the same store (disk tier);
+    3. ``corrupted``: one record's payload bytes flipped in ``data.mdb``, then a new process;
+    4. ``foreign``: then, in that process, another model (same architecture, other weights: other
+       fingerprint, the same chunk keys) on that store.
+    """
+
+    def __init__(self, case: ModelCase, root: Path) -> None:
+        self.case = case
+        self.root = root
+        self.store = root / "store"
+        self.model_dir = case.build(root / "model", 0)
+        self.opts = case.options(self.model_dir, self.store)
+        self._done: dict[str, Any] = {}
+
+    def _log(self, name: str) -> Path:
+        return self.root / f"{name}.log"
+
+    def log_text(self, name: str) -> str:
+        """The engine output (vLLM's and kvstrata's logging) of one stage's process."""
+        return self._log(name).read_text(errors="replace")
+
+    @_stage
+    def first(self) -> dict[str, dict[str, Any]]:
+        return run_phase(self.opts, [generate_step("cold"), {"op": "reset_prefix_cache"},
+                                     generate_step("host")], self._log("first"))
+
+    @_stage
+    def restart(self) -> dict[str, dict[str, Any]]:
+        _ = self.first  # stages run in order
+        return run_phase(self.opts, [{"op": "drop_page_cache"}, generate_step("disk")],
+                         self._log("restart"))
+
+    @_stage
+    def _last_process(self) -> tuple[bytes, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        # Stages 3 and 4 share one process (one engine after the other; the first one's shutdown
+        # closes the store): each still opens the store fresh, and the suite saves an import.
+        _ = self.restart  # stages run in order
+        key = corrupt_one_record(self.store, self.case.model_path(self.model_dir), PROMPTS[0])
+        other = self.case.options(self.case.build(self.root / "other-model", 1), self.store)
+        corrupted, foreign = run_jobs_subprocess(
+            [{"engine": asdict(self.opts), "steps": [generate_step("after_corruption")]},
+             {"engine": asdict(other), "steps": [generate_step("foreign")]}],
+            timeout_s=JOB_TIMEOUT_S, log_path=self._log("corrupted-then-foreign"))
+        return key, _by_name(corrupted), _by_name(foreign)
+
+    @property
+    def corrupted(self) -> tuple[bytes, dict[str, dict[str, Any]]]:
+        key, steps, _ = self._last_process
+        return key, steps
+
+    @property
+    def foreign(self) -> dict[str, dict[str, Any]]:
+        return self._last_process[2]
+
+
+# ------------------------------------------------------------------------------------------
+# Store inspection and surgery
+# ------------------------------------------------------------------------------------------
+
+
+def namespaces_of(store: Path, model: str) -> set[bytes]:
+    from kvstrata.tiers.disk import DiskStore
+
+    with DiskStore(store, budget_bytes=1 << 40, readonly=True, create=False) as disk:
+        return {ns for ns, info in disk.namespaces().items() if info.get("model") == model}
+
+
+def store_keys(store: Path, namespaces: set[bytes]) -> set[bytes]:
+    """Store keys (namespace + chunk key) stored under ``namespaces``."""
+    from kvstrata.tiers.disk import DiskStore
+
+    with DiskStore(store, budget_bytes=1 << 40, readonly=True, create=False) as disk:
+        return {k for k, _ in disk.iter_index() if k[:NAMESPACE_BYTES] in namespaces}
+
+
+def chain_hashes(tokens: list[int], block: int) -> list[bytes]:
+    """vLLM's sha256 prefix-cache block hashes of ``tokens`` at ``block`` tokens per hash."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    saved = os.environ.pop("PYTHONHASHSEED", None)  # the engines run without it (child_env)
+    try:
+        kv_cache_utils.init_none_hash(sha256)
+    finally:
+        if saved is not None:
+            os.environ["PYTHONHASHSEED"] = saved
+    out: list[bytes] = []
+    parent = None
+    for i in range(len(tokens) // block):
+        parent = kv_cache_utils.hash_block_tokens(sha256, parent, tokens[i * block:(i + 1) * block])
+        out.append(bytes(parent))
+    return out
+
+
+def records_of_prompt(store: Path, model: str, prompt: list[int]) -> list[bytes]:
+    """Store keys of ``prompt``'s chunks in its most complete group, in prefix order.
+
+    The hash granularity is found by trying the block sizes vLLM can use; a chunk key is the
+    block hash ending the chunk followed by the 4-byte group index.
+    """
+    spaces = namespaces_of(store, model)
+    assert spaces, f"no namespace registered for {model}"
+    stored = store_keys(store, spaces)
+    best: list[bytes] = []
+    for block in (16, 32, 64, 128, 256, 384, 512):
+        hashes = chain_hashes(prompt, block)
+        by_group: dict[bytes, list[bytes]] = {}
+        for key in stored:
+            suffix = key[NAMESPACE_BYTES:]
+            if suffix[:-4] in hashes:
+                by_group.setdefault(suffix[-4:], []).append(key)
+        for keys in by_group.values():
+            if len(keys) > len(best):
+                order = {h: i for i, h in enumerate(hashes)}
+                best = sorted(keys, key=lambda k: order[k[NAMESPACE_BYTES:-4]])
+    return best
+
+
+def corrupt_one_record(store: Path, model: str, prompt: list[int]) -> bytes:
+    """Flip payload bytes of one stored chunk of ``prompt`` directly in ``data.mdb``.
+
+    The record in the middle of the prompt's prefix is chosen, so a lookup must load the chunks
+    before it and stop at it. The bytes are found by content and flipped in the file, leaving
+    LMDB's own structures intact: exactly what bit rot on the device would look like.
+    """
+    import lmdb
+
+    from kvstrata.tiers.disk import _DB_PAYLOAD
+
+    keys = records_of_prompt(store, model, prompt)
+    assert len(keys) >= 2, f"expected several stored chunks of the prompt, found {len(keys)}"
+    key = keys[len(keys) // 2]
+    env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=8)
+    try:
+        with env.begin() as txn:
+            db = env.open_db(_DB_PAYLOAD, txn=txn, create=False)
+            value = bytes(txn.get(key, db=db))
+    finally:
+        env.close()
+    middle = len(value) // 2
+    needle = value[middle:middle + 64]
+    path = store / "data.mdb"
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        offset = mm.find(needle)
+        assert offset >= 0 and mm.find(needle, offset + 1) < 0, "payload bytes not found once"
+        mm[offset:offset + 16] = bytes(b ^ 0xFF for b in mm[offset:offset + 16])
+        mm.flush()
+    return key
+
+
+def read_record(store: Path, key: bytes) -> tuple[bool, int | None, int]:
+    """(key present, bytes decoded or None, corrupt records seen) through ``DiskStore``."""
+    from kvstrata.tiers.disk import DiskStore
+
+    with DiskStore(store, budget_bytes=1 << 40, readonly=True, create=False) as disk:
+        records = dict(disk.iter_index())
+        rec = records.get(key)
+        if rec is None:
+            return False, None, 0
+        got = disk.get_into(key, bytearray(rec.raw_len))
+        return True, got, int(disk.stats().get("corrupt", 0))
+
+
+def dump(obj: Any) -> str:
+    """Compact JSON of a step's metrics for assertion messages."""
+    return json.dumps({k: v for k, v in obj.items() if v}, sort_keys=True)
