@@ -53,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's own KV cache (default %(default)s)")
     parser.add_argument("--no-drop-caches", action="store_true",
                         help="do not drop the OS page cache before the disk-tier request")
-    parser.add_argument("--multiprocess", action="store_true",
-                        help="vLLM's default multiprocess engine (engine core in its own process, "
-                             "as under `vllm serve`); default: engine core in the calling process")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run vLLM's engine core in the calling process (faster start, but "
+                             "the frontend then competes with kvstrata's I/O threads for the GIL); "
+                             "default: vLLM's multiprocess engine, as under `vllm serve`")
     parser.add_argument("--no-warmup", action="store_true",
                         help="time each process's very first prefill too (by default a warm-up "
                              "request with kvstrata bypassed absorbs one-time kernel setup)")
@@ -74,12 +75,11 @@ def kvstrata_contender(model: Path, args: argparse.Namespace) -> Contender:
     from kvstrata.tools import ttft
 
     def options(store: Path) -> EngineOptions:
-        opts = ttft.engine_options(
+        return ttft.engine_options(
             str(model), str(store), args.prompt_tokens,
             host_bytes=parse_size("--host-bytes", args.host_bytes),
-            kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes))
-        opts.multiprocess = args.multiprocess
-        return opts
+            kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes),
+            multiprocess=not args.in_process)
 
     def stored(store: Path, model_path: str) -> dict[str, Any]:
         held = store_summary(store, model_path).get("model") or {}
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "disk_hit_tokens": min(r["disk_hit_tokens"] for r in mine),
         "page_cache_dropped": all(r["page_cache_dropped"] for r in mine),
         "warmup": not args.no_warmup,
-        "multiprocess_engine": args.multiprocess,
+        "multiprocess_engine": not args.in_process,
         "kvstrata_bytes": int(statistics.median(r["bytes"] for r in mine)),
         "kv_raw_bytes": int(statistics.median(r["raw_bytes"] for r in mine)),
         "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),

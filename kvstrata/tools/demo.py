@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kvstrata host tier size (default %(default)s)")
     parser.add_argument("--kv-cache-bytes", default="512MiB",
                         help="vLLM's own KV cache size (default %(default)s)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run vLLM's engine core in this process (starts faster; default: "
+                             "vLLM's multiprocess engine, as under `vllm serve`)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | int:
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | int:
     opts = ttft.engine_options(
         str(model), str(store), len(prompt.token_ids),
         host_bytes=parse_size("--host-bytes", args.host_bytes),
-        kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes))
+        kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes),
+        multiprocess=not args.in_process)
     with out.phase("running vLLM + kvstrata") as phase:
         try:
             res = ttft.measure(opts, prompt.token_ids, max_tokens=args.max_tokens,

@@ -261,20 +261,23 @@ def store_summary(store: str | os.PathLike[str], model: str | None = None) -> di
             return out
         mine = {ns: info for ns, info in namespaces.items() if info.get("model") == str(model)}
         entries = raw = stored = 0
-        per_group: dict[int, int] = {}
+        per_group: dict[tuple[bytes, int], int] = {}
         for key, rec in disk.iter_index():
-            if key[:NAMESPACE_BYTES] in mine:
+            ns = key[:NAMESPACE_BYTES]
+            if ns in mine:
                 entries += 1
                 raw += rec.raw_len
                 stored += rec.stored_len
-                per_group[rec.group] = per_group.get(rec.group, 0) + 1
+                per_group[ns, rec.group] = per_group.get((ns, rec.group), 0) + 1
+    # A model may have several fingerprints (other settings, other weights at the same path) and
+    # one namespace per TP rank of each; count rank 0's. Within a namespace the most complete
+    # group (full attention keeps every chunk; windowed and Mamba groups fewer) gives the tokens.
     tokens = 0
-    if mine and per_group:
-        info = next(iter(mine.values()))
-        per_chunk = int(info.get("block_size") or 0) * int(info.get("blocks_per_chunk") or 1)
-        # The most complete group (full attention keeps every chunk; windowed and Mamba groups
-        # keep fewer) of one rank gives the tokens covered.
-        tokens = max(per_group.values()) // len(mine) * per_chunk
+    for ns, info in mine.items():
+        if int(info.get("tp_rank") or 0) != 0:
+            continue
+        chunks = max((n for (space, _), n in per_group.items() if space == ns), default=0)
+        tokens += chunks * int(info.get("block_size") or 0) * int(info.get("blocks_per_chunk") or 1)
     out["model"] = {"namespaces": len(mine), "entries": entries, "tokens": tokens,
                     "raw_bytes": raw, "stored_bytes": stored,
                     "compression_ratio": raw / stored if stored else 1.0}

