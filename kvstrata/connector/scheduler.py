@@ -55,6 +55,9 @@ class _RequestState:
     load_keys: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, key)
     lookup_started: float | None = None
     hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)
+    # Chunks the last (deferred) lookup found still on their way into the host tier: until one
+    # of them lands, the same lookup would defer again, so it is not re-run.
+    awaiting: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +69,10 @@ class _Job:
     fenced: list[int] = field(default_factory=list)
     deferred_fence: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
+
+
+# Longest an empty engine step waits for promotions from disk (see StrataScheduler._idle_wait).
+IDLE_WAIT_S = 0.02
 
 
 def _request_cap(req: Request, name: str) -> int | None:
@@ -98,6 +105,7 @@ class StrataScheduler:
         self._windowed = tuple(g.index for g in self.layout.groups if g.kind is not semantics.GroupKind.FULL)
         self.stats = StrataStats()
         self._tiers_at = 0.0
+        self._awaiting: set[str] = set()  # requests whose lookup waits on st.awaiting
 
     # ---------------------------------------------------------------- requests
     def on_new_request(self, request: Request) -> None:
@@ -129,11 +137,15 @@ class StrataScheduler:
             return 0, False
         if st.lookup_started is None:
             st.lookup_started = time.monotonic()
+        if st.awaiting and self.hierarchy.in_flight(st.awaiting):
+            self.stats.lookup_deferrals += 1
+            return None, False
+        pending: list[bytes] = []
 
         def probe(keys: Iterable[bytes]) -> list[Presence]:
             keys = list(keys)
             answers = list(self.hierarchy.lookup_many(keys))
-            st.promoted.update(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
+            pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
             return answers
 
         hit = semantics.lookup_hit(
@@ -147,9 +159,17 @@ class StrataScheduler:
             being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
         )
         self.stats.lookups += 1
+        # PENDING answers are stores or promotions in flight: those promoted for this request
+        # count as disk hits (a store in flight was already in the host tier's care).
+        if pending:
+            st.promoted.update(self.hierarchy.promoting(pending))
         if hit is None:
             self.stats.lookup_deferrals += 1
+            st.awaiting = pending
+            self._awaiting.add(request.request_id)
             return None, False
+        st.awaiting = []
+        self._awaiting.discard(request.request_id)
         self.stats.observe_lookup_delay(time.monotonic() - st.lookup_started)
         st.lookup_started = None
         if hit:
@@ -258,6 +278,7 @@ class StrataScheduler:
         stores = self._boundary_store_jobs(so) + self._store_jobs(so)
         meta = StrataMetadata(loads=self._loads, stores=stores, flush=self._flush)
         for req_id in so.finished_req_ids or ():
+            self._awaiting.discard(req_id)
             st = self._reqs.get(req_id)
             if st is None:
                 continue
@@ -265,7 +286,27 @@ class StrataScheduler:
             if not st.jobs:
                 del self._reqs[req_id]
         self._loads, self._flush, self._allocated = [], set(), set()
+        if self._awaiting and not meta.loads and not so.total_num_scheduled_tokens:
+            self._idle_wait()
         return meta
+
+    def _idle_wait(self) -> None:
+        """This step schedules nothing and requests wait on promotions from disk: give them up
+        to ``IDLE_WAIT_S`` to land rather than letting the engine spin through empty steps.
+
+        Each empty step is a round trip to every worker, and on a small machine the spinning
+        engine takes the cores the promotions' decompression needs. A request that arrives
+        meanwhile waits at most that long; one promotion landing ends the wait.
+        """
+        keys: list[bytes] = []
+        for req_id in list(self._awaiting):
+            st = self._reqs.get(req_id)
+            if st is None or not st.awaiting:
+                self._awaiting.discard(req_id)
+                continue
+            keys.extend(st.awaiting)
+        if keys:
+            self.hierarchy.wait_promotions(keys, IDLE_WAIT_S)
 
     def _update_block_ids(self, so: SchedulerOutput) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
@@ -459,6 +500,7 @@ class StrataScheduler:
                 del self._reqs[job.req_id]
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._awaiting.discard(request.request_id)
         st = self._reqs.get(request.request_id)
         if st is None:
             return False, None
@@ -480,11 +522,13 @@ class StrataScheduler:
         The disk tier is a persistent store and survives (``kvstrata purge`` empties it).
         """
         self._flush.update(self._jobs)
+        self._awaiting.clear()
         for req_id, st in list(self._reqs.items()):
             if st.req.is_finished():
                 del self._reqs[req_id]
         for st in self._reqs.values():
             st.jobs.clear()
+            st.awaiting = []
             for gs in st.groups.values():
                 gs.next_stored_chunk = 0
         self._stale_below = self._next_job

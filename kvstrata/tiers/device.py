@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -150,6 +152,10 @@ class DeviceStager:
         group_page_bytes: optional unpadded page size per group, checked against the tensors.
         max_stage_bytes: cap on one device staging buffer (accelerators only).
         pin: register a ``HostSlab`` for DMA when the device is an accelerator.
+        copy_threads: CPU devices only: threads one job's chunk copies are spread over
+            (default: up to 4, at most the cores). A restored prefix is tens to hundreds of MB
+            landing in KV pages touched for the first time; one core page-faults through it at
+            3-4 GB/s, two nearly double that. 1 copies on the calling thread.
     """
 
     def __init__(
@@ -165,6 +171,7 @@ class DeviceStager:
         group_page_bytes: Sequence[int] | None = None,
         max_stage_bytes: int = 256 << 20,
         pin: bool = True,
+        copy_threads: int | None = None,
     ) -> None:
         if not kv_caches:
             raise ValueError("no KV cache tensors")
@@ -234,6 +241,12 @@ class DeviceStager:
                 logger.warning("host slab could not be pinned; transfers use pageable memory")
         else:
             self._np_rows = [[layer.rows.numpy() for layer in layers] for layers in self._layers]
+        threads = min(4, os.cpu_count() or 1) if copy_threads is None else copy_threads
+        self._cpu_pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-copy")
+            if not self._accel and threads > 1
+            else None
+        )
 
     @staticmethod
     def _group_pages(
@@ -311,6 +324,8 @@ class DeviceStager:
         for queue in self._inflight.values():
             for job in queue:
                 job.event.synchronize()
+        if self._cpu_pool is not None:
+            self._cpu_pool.shutdown()
 
     # ---- job plumbing ------------------------------------------------------------------------
 
@@ -339,12 +354,23 @@ class DeviceStager:
             return
         if not self._accel:
             ok = True
+            copy = self._store_cpu if direction == "store" else self._load_cpu
             try:
-                for t in transfers:
-                    (self._store_cpu if direction == "store" else self._load_cpu)(t)
+                if self._cpu_pool is not None and len(transfers) > 1:
+                    # The copies write disjoint pages (distinct blocks, distinct slots); they
+                    # release the GIL (libc memmove through ctypes, torch copies).
+                    list(self._cpu_pool.map(copy, transfers))
+                else:
+                    for t in transfers:
+                        copy(t)
             except Exception:
                 logger.exception("kvstrata: %s job %d failed", direction, job_id)
                 ok = False
+            moved = sum(self._transfer_bytes(t) for t in transfers) if ok else 0
+            if direction == "store":
+                self.bytes_stored += moved
+            else:
+                self.bytes_loaded += moved
             self._results.append((job_id, ok))
             return
 
@@ -382,11 +408,9 @@ class DeviceStager:
 
     def _store_cpu(self, t: Transfer) -> None:
         self._copy_cpu(t, to_host=True)
-        self.bytes_stored += self._transfer_bytes(t)
 
     def _load_cpu(self, t: Transfer) -> None:
         self._copy_cpu(t, to_host=False)
-        self.bytes_loaded += self._transfer_bytes(t)
 
     def _transfer_bytes(self, t: Transfer) -> int:
         real = sum(1 for b in t.block_ids if int(b) != NULL_BLOCK)

@@ -119,6 +119,9 @@ class Hierarchy:
         self._offer_tracker_size = offer_tracker_size
 
         self._lock = threading.Lock()
+        # Notified whenever a promotion lands (or fails): lets an idle engine wait for one
+        # instead of spinning through empty steps.
+        self._promoted = threading.Condition(self._lock)
         self._storing: set[bytes] = set()  # prepare_store'd, not completed
         self._promoting: set[bytes] = set()  # disk -> host in flight
         self._on_disk: set[bytes] = set()  # resident chunks known to be on disk
@@ -152,6 +155,26 @@ class Hierarchy:
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
         """Start disk -> host promotions for disk-only chunks (a lookup without bookkeeping)."""
         return self._lookup(keys, count_offers=False)
+
+    def in_flight(self, keys: Sequence[bytes]) -> bool:
+        """Whether any of ``keys`` is still on its way into the host tier (a store or a
+        promotion): a lookup that was PENDING on them would be PENDING again."""
+        with self._lock:
+            promoting, storing = self._promoting, self._storing
+            return any(k in promoting or k in storing for k in keys)
+
+    def promoting(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Those of ``keys`` being promoted from disk right now."""
+        with self._lock:
+            return self._promoting.intersection(keys)
+
+    def wait_promotions(self, keys: Sequence[bytes], timeout: float) -> bool:
+        """Block until none of ``keys`` is being promoted from disk, at most ``timeout``
+        seconds; True when none is. For an engine step that has nothing else to do."""
+        with self._promoted:
+            return self._promoted.wait_for(
+                lambda: self._closed or self._promoting.isdisjoint(keys), timeout
+            )
 
     def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
         """Host slots for the keys not present yet (they become PENDING), or None if the host
@@ -254,6 +277,7 @@ class Hierarchy:
             if self._closed:
                 return True
             self._closed = True
+            self._promoted.notify_all()
         drained = True
         if self._loop.is_running():
             done = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
@@ -481,6 +505,7 @@ class Hierarchy:
                 self.pool.discard(key)
                 self._bad.add(key)
                 self._counts["promotions_failed"] += 1
+            self._promoted.notify_all()
 
     async def _drain(self) -> None:
         while True:

@@ -31,18 +31,25 @@ from kvstrata.connector.config import parse_size
 from kvstrata.tools.engine import EngineOptions, JobError, store_summary
 from kvstrata.tools.models import ModelPrepError, default_model_cache, prepare_smollm2
 
+DEFAULT_PROMPT_TOKENS = 4096
 GOALS = {"disk_vs_cold": 0.25, "disk_vs_host": 1.5}
 GOAL_MIN_PROMPT_TOKENS = 4096
 _TIMINGS = ("cold_ttft_s", "host_ttft_s", "disk_ttft_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt-tokens", type=int, default=4096,
-                        help="prompt length in tokens (default %(default)s; at most 8000)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=None,
+                        help="prompt length in tokens (default 4096; at most 8000); with "
+                             "--vs-vllm-fs one or more lengths (default 2048 4096 8192)")
     parser.add_argument("--max-tokens", type=int, default=16,
                         help="tokens generated per request, compared for identity (default %(default)s)")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="repetitions, each on a fresh store; figures are medians (default %(default)s)")
+    parser.add_argument("--repeat", "--repeats", dest="repeat", type=int, default=None,
+                        help="repetitions, each on a fresh store; figures are medians (default 1; "
+                             "3 with --vs-vllm-fs)")
+    parser.add_argument("--vs-vllm-fs", action="store_true",
+                        help="side by side against vLLM's own fs disk tier (OffloadingConnector + "
+                             "TieringOffloadingSpec, run on CPU with a copy worker of the bench's "
+                             "own) and vLLM's own prefix-cache hit, alternating (issue 7)")
     parser.add_argument("--store", type=Path, default=None,
                         help="parent directory for the benchmark stores (default: a temporary "
                              "directory, removed afterwards)")
@@ -60,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warmup", action="store_true",
                         help="time each process's very first prefill too (by default a warm-up "
                              "request with kvstrata bypassed absorbs one-time kernel setup)")
+    # The --vs-vllm-fs mode's own options (added last: it skips the names defined above).
+    from kvstrata.tools import bench_vs_vllm
+
+    bench_vs_vllm.add_arguments(parser)
 
 
 @dataclass
@@ -79,7 +90,7 @@ def kvstrata_contender(model: Path, args: argparse.Namespace) -> Contender:
             str(model), str(store), args.prompt_tokens,
             host_bytes=parse_size("--host-bytes", args.host_bytes),
             kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes),
-            multiprocess=not args.in_process)
+            multiprocess=not getattr(args, "in_process", False))
 
     def stored(store: Path, model_path: str) -> dict[str, Any]:
         held = store_summary(store, model_path).get("model") or {}
@@ -95,6 +106,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt
 
+    if args.vs_vllm_fs:
+        from kvstrata.tools import bench_vs_vllm
+
+        return bench_vs_vllm.run(args)
+    lengths = args.prompt_tokens or [DEFAULT_PROMPT_TOKENS]
+    if len(lengths) != 1:
+        raise CLIError("give one --prompt-tokens (several lengths only with --vs-vllm-fs)")
+    args.prompt_tokens = lengths[0]
+    args.repeat = 1 if args.repeat is None else args.repeat
     if not 64 <= args.prompt_tokens <= 8000:
         raise CLIError("--prompt-tokens must be between 64 and 8000 (SmolLM2 has an 8k context)")
     if args.repeat < 1:

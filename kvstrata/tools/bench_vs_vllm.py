@@ -60,9 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prompt-tokens", type=int, nargs="+", default=list(DEFAULT_PROMPT_TOKENS),
         help="prompt lengths in tokens (default: 2048 4096 8192; clipped to the 8k context "
              "minus --max-tokens)")
-    add("--repeats", type=int, default=DEFAULT_REPEATS,
-        help="repetitions per prompt length, each on fresh stores; figures are medians "
-             "(default %(default)s)")
+    if "--repeat" not in have and "--repeats" not in have:
+        parser.add_argument("--repeats", "--repeat", dest="repeat", type=int, default=None,
+                            help="repetitions per prompt length, each on fresh stores; figures "
+                                 f"are medians (default {DEFAULT_REPEATS})")
     add("--max-tokens", type=int, default=16,
         help="tokens generated per request, compared for identity (default %(default)s)")
     add("--store", type=Path, default=None,
@@ -77,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-warmup", action="store_true",
         help="time each process's very first prefill too (by default a warm-up request with "
              "the connector bypassed absorbs one-time kernel setup)")
+    add("--in-process", action="store_true",
+        help="run vLLM's engine core in the calling process (default: vLLM's multiprocess "
+             "engine, as under `vllm serve`), for every contender alike")
     add("--vllm-copy-threads", type=int, default=1,
         help="threads of the baseline's device<->CPU-tier copy worker (default %(default)s: one "
              "memcpy per block, as in issue 7's reference figures)")
@@ -94,7 +98,7 @@ def plain_options(model: Path, args: argparse.Namespace) -> EngineOptions:
         str(model), None, args.prompt_tokens,
         host_bytes=parse_size("--host-bytes", args.host_bytes),
         kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes),
-        max_model_len=MAX_MODEL_LEN)
+        max_model_len=MAX_MODEL_LEN, multiprocess=not getattr(args, "in_process", False))
 
 
 def vllm_fs_contender(model: Path, args: argparse.Namespace) -> Contender:
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     given = args.prompt_tokens
     lengths = list(DEFAULT_PROMPT_TOKENS) if given is None else (
         list(given) if isinstance(given, list) else [given])
-    repeats = int(getattr(args, "repeats", DEFAULT_REPEATS))
+    repeats = DEFAULT_REPEATS if args.repeat is None else int(args.repeat)
     limit = MAX_MODEL_LEN - args.max_tokens
     if repeats < 1 or any(n < 64 for n in lengths):
         raise CLIError("--repeats must be >= 1 and every --prompt-tokens >= 64")

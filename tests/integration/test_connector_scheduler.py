@@ -92,6 +92,61 @@ def test_served_chunks_come_from_disk_after_restart(runners, tmp_path: Path) -> 
     assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] > 0
 
 
+def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path, monkeypatch) -> None:
+    """A restarted engine whose first request waits on disk -> host promotions: its empty steps
+    wait for them (bounded by IDLE_WAIT_S) instead of spinning, and its lookup is not re-run
+    while every chunk it waits on is still in flight."""
+    import time
+
+    from kvstrata.connector import scheduler as sched_mod
+    from kvstrata.tiers.disk import DiskStore
+
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(_prompt(100), 1)
+    first.close()
+    second = runners([G("full", 16)], store=store)
+    slow_read = 0.05  # each record takes 50 ms to read: the promotions span ~2 reads per thread
+    real_get_into = DiskStore.get_into
+
+    def slow_get_into(self, key, out):
+        time.sleep(slow_read)
+        return real_get_into(self, key, out)
+
+    monkeypatch.setattr(DiskStore, "get_into", slow_get_into)
+    hierarchy = second.connector.scheduler.hierarchy
+    lookups = []
+    real_lookup = hierarchy.lookup_many
+    monkeypatch.setattr(hierarchy, "lookup_many", lambda keys: lookups.append(len(keys)) or real_lookup(keys))
+    idle_waits = []
+    real_wait = hierarchy.wait_promotions
+
+    def timed_wait(keys, timeout):
+        t0 = time.monotonic()
+        done = real_wait(keys, timeout)
+        idle_waits.append((time.monotonic() - t0, done))
+        return done
+
+    monkeypatch.setattr(hierarchy, "wait_promotions", timed_wait)
+    req = second.add(_prompt(100), 1)
+    steps = 0
+    while req.request_id not in second.loaded_tokens:
+        second.step()
+        steps += 1
+        assert steps < 200, "the request was never served"
+    assert second.loaded_tokens[req.request_id] == 96
+    second.run_until_idle()
+    assert second.load_errors == []
+    # 6 chunks, 4 concurrent reads of 50 ms on 2 threads: >= 150 ms of promotions. Spinning would
+    # take thousands of steps; waiting takes about promotions / IDLE_WAIT_S (+ the final steps).
+    promotion_s = 3 * slow_read
+    assert steps <= promotion_s / sched_mod.IDLE_WAIT_S + 6, steps
+    assert idle_waits and all(w <= sched_mod.IDLE_WAIT_S + 0.05 for w, _ in idle_waits)
+    assert any(done for _, done in idle_waits)  # the wait ended when the promotions landed
+    # The lookup ran when the request arrived and once more after its chunks landed, not per step.
+    assert len(lookups) <= 3, lookups
+
+
 def test_other_model_layout_gets_zero_hits(runners, tmp_path: Path) -> None:
     store = tmp_path / "shared"
     a = runners([G("full", 16)], store=store)

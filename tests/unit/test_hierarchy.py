@@ -250,6 +250,43 @@ def test_prefetch_is_deduplicated_and_bounded(env):
     assert gated.max_active_reads <= 2
 
 
+def test_promotions_in_flight_can_be_awaited(env):
+    disk = env.disk()
+    h = env.hier(disk, slots=16)
+    keys = [key(i) for i in range(4)]
+    store(h, keys)
+    h.close()
+
+    gated = GatedDisk(disk)
+    gated.reads_open.clear()
+    h2 = env.hier(gated)
+    assert not h2.in_flight(keys) and h2.promoting(keys) == set()
+    assert h2.wait_promotions(keys, 0.0)  # nothing to wait for
+    assert h2.lookup_many(keys) == [PENDING] * 4
+    assert h2.in_flight(keys[:1]) and h2.promoting(keys + [key(99)]) == set(keys)
+    t0 = time.monotonic()
+    assert not h2.wait_promotions(keys, 0.05)  # reads are stuck: times out
+    assert time.monotonic() - t0 >= 0.05
+    threading.Timer(0.05, gated.reads_open.set).start()
+    assert h2.wait_promotions(keys, DEADLINE_S)  # woken by the landing promotions
+    assert not h2.in_flight(keys) and h2.lookup_many(keys) == [HIT] * 4
+
+
+def test_close_wakes_promotion_waiters(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(1)])
+    h.close()
+    gated = GatedDisk(disk)
+    gated.reads_open.clear()
+    h2 = env.hier(gated)
+    assert h2.lookup_many([key(1)]) == [PENDING]
+    threading.Timer(0.05, lambda: (h2.close(timeout=0.1), gated.reads_open.set())).start()
+    t0 = time.monotonic()
+    assert h2.wait_promotions([key(1)], DEADLINE_S)
+    assert time.monotonic() - t0 < DEADLINE_S / 2
+
+
 def test_hits_are_protected_from_promotion_eviction(env):
     disk = env.disk()
     h = env.hier(disk, slots=4)
