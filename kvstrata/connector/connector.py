@@ -7,6 +7,7 @@ scheduler-side (``StrataScheduler``) or worker-side (``StrataWorker``) half for 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -53,8 +54,13 @@ def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, list[Any], Pa
     """
     from kvstrata.tiers.disk import DiskStore
     from kvstrata.tiers.hierarchy import Hierarchy
-    from kvstrata.tiers.host import HostPool, HostSlab
+    from kvstrata.tiers.host import HostPool, HostSlab, sweep_stale_slabs
 
+    # Engines killed without a clean shutdown leave their host tier behind in shared memory.
+    stale = sweep_stale_slabs(os.path.dirname(plan.slab_path))
+    if stale:
+        logger.info("kvstrata: removed %d host slab(s) of engines that are gone, freeing %.1f GiB",
+                    len(stale), sum(n for _, n in stale) / 2**30)
     slab = HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
     pool = HostPool(slab, policy=cfg.eviction)
     disk = None

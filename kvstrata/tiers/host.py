@@ -11,9 +11,13 @@ The pool is not thread-safe on its own; ``Hierarchy`` serialises access with its
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
+import stat
 import tempfile
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING, Literal
@@ -45,6 +49,10 @@ class HostSlab:
     ``create=True`` creates the backing file or opens an existing one of the right size (so both
     processes may pass it; an existing file of another size is a leftover and is re-sized);
     ``create=False`` only opens and fails when the file is missing or of another size.
+
+    Every process with the slab open holds a shared ``flock`` on it until :meth:`close`, so
+    :func:`sweep_stale_slabs` can tell a slab whose processes all died (SIGKILL, OOM) from a live
+    one and give its memory back.
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class HostSlab:
                 f"host slab {self.path} does not exist (create=False)"
             ) from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" for sweep_stale_slabs, until close()
             size = os.fstat(fd).st_size
             fresh = size != self.nbytes
             if fresh:
@@ -92,8 +101,10 @@ class HostSlab:
                     f"cannot reserve {self.nbytes} bytes for host slab {self.path}: {exc}"
                 ) from exc
             self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd: int | None = fd
         self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(
             self.num_slots, self.slot_bytes
         )
@@ -217,6 +228,9 @@ class HostSlab:
             self._mmap.close()
         except BufferError:
             pass  # outstanding views; the mapping goes away with the last of them
+        if self._fd is not None:
+            os.close(self._fd)  # drops this process's "in use" lock
+            self._fd = None
 
     def unlink(self) -> None:
         """Remove the backing file (mappings stay valid until closed)."""
@@ -230,6 +244,50 @@ class HostSlab:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def sweep_stale_slabs(directory: str | os.PathLike[str] | None = None, *,
+                      min_age_s: float = 60.0) -> list[tuple[str, int]]:
+    """Remove ``kvstrata-*.slab`` files in ``directory`` (default: where
+    :func:`default_slab_path` puts them) that no process has open: what engines killed without a
+    clean shutdown leave behind, each holding its whole host tier in memory. Returns the
+    ``(path, bytes)`` removed.
+
+    A slab is in use while any process holds its shared lock (:class:`HostSlab`); one that can
+    be locked exclusively is unlinked under that lock. Files younger than ``min_age_s`` are left
+    alone: a starting engine creates its slab a moment before it locks it.
+    """
+    root = os.path.dirname(default_slab_path("x")) if directory is None else os.fspath(directory)
+    removed: list[tuple[str, int]] = []
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not (name.startswith("kvstrata-") and name.endswith(".slab")):
+            continue
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live engine has it open
+            # Still the same file (not replaced while we looked)? Then nobody uses it.
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == st.st_ino:
+                    os.unlink(path)
+                    removed.append((path, st.st_blocks * 512))
+        finally:
+            os.close(fd)
+    return removed
 
 
 # ---- index -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.tiers.host import HostPool, HostSlab, default_slab_path
+from kvstrata.tiers.host import HostPool, HostSlab, default_slab_path, sweep_stale_slabs
 
 
 def _key(i: int, group: int = 0) -> bytes:
@@ -246,3 +246,39 @@ def test_no_slot_is_ever_handed_out_twice(policy):
     stats = pool.stats()
     assert stats["referenced"] == sum(1 for n in held.values() if n)
     assert stats["not_ready"] == 0
+
+
+def _age(path, seconds: float = 3600.0) -> None:
+    old = os.stat(path).st_mtime - seconds
+    os.utime(path, (old, old))
+
+
+def test_sweep_removes_only_slabs_whose_processes_are_gone(tmp_path):
+    # A slab whose engine was SIGKILLed: its file stays, nobody holds it.
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from kvstrata.tiers.host import HostSlab; "
+         f"s = HostSlab({str(tmp_path / 'kvstrata-dead-pp0.slab')!r}, 4096, 64); "
+         "print('ready', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ready"
+    dead = tmp_path / "kvstrata-dead-pp0.slab"
+    _age(dead)
+    assert sweep_stale_slabs(tmp_path) == []  # still held by its (live) process
+    holder.kill()
+    holder.wait()
+    live = HostSlab(tmp_path / "kvstrata-live-pp0.slab", 4096, 16)  # held by this process
+    young = tmp_path / "kvstrata-young-pp0.slab"
+    young.write_bytes(b"\0" * 4096)  # unlocked but just created: an engine about to lock it
+    other = tmp_path / "something-else.slab"
+    other.write_bytes(b"x")
+    for p in (live.path, other):
+        _age(p)
+    removed = sweep_stale_slabs(tmp_path)
+    assert [os.path.basename(p) for p, _ in removed] == ["kvstrata-dead-pp0.slab"]
+    assert removed[0][1] >= 64 * 4096  # its memory was reserved (fallocate), now freed
+    assert not dead.exists() and young.exists() and other.exists()
+    assert os.path.exists(live.path) and live.array.shape == (16, 4096)
+    live.close()
+    assert [os.path.basename(p) for p, _ in sweep_stale_slabs(tmp_path)] == ["kvstrata-live-pp0.slab"]
+    assert sweep_stale_slabs(tmp_path / "missing") == []
