@@ -144,7 +144,7 @@ class StrataScheduler:
 
         def probe(keys: Iterable[bytes]) -> list[Presence]:
             keys = list(keys)
-            answers = list(self.hierarchy.lookup_many(keys))
+            answers = list(self.hierarchy.lookup_many(keys, st.promoted))
             pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
             return answers
 
@@ -159,10 +159,6 @@ class StrataScheduler:
             being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
         )
         self.stats.lookups += 1
-        # PENDING answers are stores or promotions in flight: those promoted for this request
-        # count as disk hits (a store in flight was already in the host tier's care).
-        if pending:
-            st.promoted.update(self.hierarchy.promoting(pending))
         if hit is None:
             self.stats.lookup_deferrals += 1
             st.awaiting = pending

@@ -145,12 +145,15 @@ class Hierarchy:
 
     # ---- scheduler API -----------------------------------------------------------------------
 
-    def lookup_many(self, keys: Sequence[bytes]) -> list[Presence]:
+    def lookup_many(
+        self, keys: Sequence[bytes], promoting: set[bytes] | None = None
+    ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
-        A chunk found only on disk starts its promotion now and answers PENDING.
+        A chunk found only on disk starts its promotion now and answers PENDING. ``promoting``
+        collects the keys whose PENDING is a promotion from disk (for per-tier hit figures).
         """
-        return self._lookup(keys, count_offers=True)
+        return self._lookup(keys, count_offers=True, promoting=promoting)
 
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
         """Start disk -> host promotions for disk-only chunks (a lookup without bookkeeping)."""
@@ -162,11 +165,6 @@ class Hierarchy:
         with self._lock:
             promoting, storing = self._promoting, self._storing
             return any(k in promoting or k in storing for k in keys)
-
-    def promoting(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Those of ``keys`` being promoted from disk right now."""
-        with self._lock:
-            return self._promoting.intersection(keys)
 
     def wait_promotions(self, keys: Sequence[bytes], timeout: float) -> bool:
         """Block until none of ``keys`` is being promoted from disk, at most ``timeout``
@@ -306,13 +304,19 @@ class Hierarchy:
 
     # ---- lookup internals ----------------------------------------------------------------------
 
-    def _lookup(self, keys: Sequence[bytes], count_offers: bool) -> list[Presence]:
+    def _lookup(
+        self, keys: Sequence[bytes], count_offers: bool, promoting: set[bytes] | None = None
+    ) -> list[Presence]:
         # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
         with self._lock:
             if self._closed:
                 return [_MISS] * len(keys)
             host = self.pool.lookup_many(keys)
             states = [_BY_HOST_STATE[s] for s in host]
+            if promoting is not None and self._promoting:
+                promoting.update(
+                    k for k, s in zip(keys, host, strict=True) if s == _NOT_READY and k in self._promoting
+                )
             if count_offers and self.admit_after > 1:
                 admitted = []
                 for k in (k for k, s in zip(keys, host, strict=True) if s == _READY):
@@ -374,6 +378,8 @@ class Hierarchy:
                 self._on_disk.add(key)
                 promote.append((key, slots[0], chunk_group(key)))
                 states[i] = _PENDING
+                if promoting is not None:
+                    promoting.add(key)
             if promote:
                 self._counts["promotions_started"] += len(promote)
                 # Scheduled under the lock so that close() cannot slip in between.

@@ -117,7 +117,8 @@ def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path
     hierarchy = second.connector.scheduler.hierarchy
     lookups = []
     real_lookup = hierarchy.lookup_many
-    monkeypatch.setattr(hierarchy, "lookup_many", lambda keys: lookups.append(len(keys)) or real_lookup(keys))
+    monkeypatch.setattr(hierarchy, "lookup_many",
+                        lambda keys, promoting=None: lookups.append(len(keys)) or real_lookup(keys, promoting))
     idle_waits = []
     real_wait = hierarchy.wait_promotions
 
@@ -136,6 +137,7 @@ def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path
         assert steps < 200, "the request was never served"
     assert second.loaded_tokens[req.request_id] == 96
     second.run_until_idle()
+    assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["hit_tokens_host"] == 0
     assert second.load_errors == []
     # 6 chunks, 4 concurrent reads of 50 ms on 2 threads: >= 150 ms of promotions. Spinning would
     # take thousands of steps; waiting takes about promotions / IDLE_WAIT_S (+ the final steps).

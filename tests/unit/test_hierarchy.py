@@ -260,10 +260,15 @@ def test_promotions_in_flight_can_be_awaited(env):
     gated = GatedDisk(disk)
     gated.reads_open.clear()
     h2 = env.hier(gated)
-    assert not h2.in_flight(keys) and h2.promoting(keys) == set()
+    assert not h2.in_flight(keys)
     assert h2.wait_promotions(keys, 0.0)  # nothing to wait for
-    assert h2.lookup_many(keys) == [PENDING] * 4
-    assert h2.in_flight(keys[:1]) and h2.promoting(keys + [key(99)]) == set(keys)
+    promoting: set[bytes] = set()
+    assert h2.lookup_many(keys, promoting) == [PENDING] * 4
+    assert promoting == set(keys)
+    again: set[bytes] = set()
+    assert h2.lookup_many(keys + [key(99)], again) == [PENDING] * 4 + [MISS]
+    assert again == set(keys)  # still promoting: reported on every lookup
+    assert h2.in_flight(keys[:1]) and not h2.in_flight([key(99)])
     t0 = time.monotonic()
     assert not h2.wait_promotions(keys, 0.05)  # reads are stuck: times out
     assert time.monotonic() - t0 >= 0.05
