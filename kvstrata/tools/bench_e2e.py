@@ -101,8 +101,27 @@ def kvstrata_contender(model: Path, args: argparse.Namespace) -> Contender:
     return Contender("kvstrata", options, stored)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def measure_contender(c: Contender, store: Path, prompt: list[int], args: argparse.Namespace,
+                      model: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """One contender through cold -> host -> restart -> disk on a fresh ``store``: the timings,
+    what it stored, each phase's output tokens and the processes' figures."""
     from kvstrata.tools import ttft
+    from kvstrata.tools.cli import CLIError
+
+    shutil.rmtree(store, ignore_errors=True)
+    try:
+        res = ttft.measure(c.options(store), prompt, max_tokens=args.max_tokens,
+                           drop_page_cache=not args.no_drop_caches, warmup=not args.no_warmup,
+                           progress=lambda m: say(f"  {m}"))
+    except JobError as exc:
+        raise CLIError(f"the engine failed ({c.name}): {exc}") from None
+    steps = res["steps"]
+    return {**res["summary"], **c.stored_bytes(store, model),
+            "token_ids": {k: steps[k]["outputs"][0]["token_ids"] for k in ("cold", "host", "disk")},
+            "processes": res["processes"]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt
 
@@ -137,21 +156,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
         for rep in range(args.repeat):
-            # Contenders alternate within a repetition so slow drifts of a shared machine hit
-            # them alike.
             for c in contenders:
-                store = Path(parent) / f"{c.name}-{rep}"
-                shutil.rmtree(store, ignore_errors=True)
                 say(f"repetition {rep + 1}/{args.repeat}: {c.name}")
-                try:
-                    res = ttft.measure(c.options(store), prompt, max_tokens=args.max_tokens,
-                                       drop_page_cache=not args.no_drop_caches,
-                                       warmup=not args.no_warmup,
-                                       progress=lambda m: say(f"  {m}"))
-                except JobError as exc:
-                    raise CLIError(f"the engine failed: {exc}") from None
-                runs[c.name].append({**res["summary"], **c.stored_bytes(store, str(model)),
-                                     "processes": res["processes"]})
+                runs[c.name].append(measure_contender(
+                    c, Path(parent) / f"{c.name}-{rep}", prompt, args, str(model), say))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -174,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
     }
     result["goals"] = _goals(result)
-    result["runs"] = mine
+    result["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in mine]
     return result
 
 

@@ -106,35 +106,16 @@ def _best(fn, reps: int) -> float:
 def _bench_host(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
     import torch
 
-    from kvstrata.tiers.device import DeviceStager, Transfer
+    from kvstrata.tools.synthetic_kv import synthetic_kv
 
-    L, H, N, D = args.layers, args.kv_heads, args.block_tokens, args.head_size
-    bpc, chunks = args.blocks_per_chunk, args.chunks
-    page = H * N * 2 * D * 2  # bf16, K and V packed in the last dim
-    num_blocks = 2 * chunks * bpc + 1
-    # vLLM's layer-outer placement: one int8 buffer, layer l's block b at (l * B + b) * page.
-    raw = torch.randint(-128, 128, (L * num_blocks * page,), dtype=torch.int8)
-    caches = {
-        f"layer{li}": raw[li * num_blocks * page : (li + 1) * num_blocks * page]
-        .view(torch.bfloat16)
-        .view(num_blocks, H, N, 2 * D)
-        for li in range(L)
-    }
-    shard = L * bpc * page
-    slab = _slab("host", shard, chunks)
+    kv = synthetic_kv(layers=args.layers, kv_heads=args.kv_heads, block_tokens=args.block_tokens,
+                      head_size=args.head_size, blocks_per_chunk=args.blocks_per_chunk,
+                      chunks=args.chunks)
+    raw, page, nbytes = kv.raw, kv.page, kv.job_bytes
+    slab = _slab("host", kv.shard_bytes, kv.chunks)
     try:
-        stager = DeviceStager(
-            caches,
-            [list(caches)],
-            slab,
-            num_blocks=num_blocks,
-            blocks_per_chunk=bpc,
-            shard_bytes=shard,
-        )
-        rng = np.random.default_rng(0)
-        ids = (rng.permutation(num_blocks - 1)[: chunks * bpc] + 1).reshape(chunks, bpc).tolist()
-        transfers = [Transfer(0, c, 0, ids[c]) for c in range(chunks)]
-        nbytes = chunks * shard
+        stager = kv.stager(slab)
+        transfers = kv.transfers()
         job = iter(range(1 << 30))
 
         def store() -> None:

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvstrata.connector.config import parse_size
 from kvstrata.tools import ttft
-from kvstrata.tools.bench_e2e import Contender, kvstrata_contender
+from kvstrata.tools.bench_e2e import Contender, kvstrata_contender, measure_contender
 from kvstrata.tools.engine import EngineOptions, JobError, run_job_subprocess
 from kvstrata.tools.models import ModelPrepError, default_model_cache, prepare_smollm2
 
@@ -191,21 +191,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 order = contenders if rep % 2 == 0 else contenders[::-1]
                 for c in order:
                     store = Path(parent) / f"{c.name}-{n}-{rep}"
-                    shutil.rmtree(store, ignore_errors=True)
                     say(f"{n} tokens, repetition {rep + 1}/{repeats}: {c.name}")
-                    try:
-                        res = ttft.measure(c.options(store), prompt, max_tokens=args.max_tokens,
-                                           drop_page_cache=not args.no_drop_caches,
-                                           warmup=not args.no_warmup,
-                                           progress=lambda m: say(f"  {m}"))
-                    except JobError as exc:
-                        raise CLIError(f"the engine failed ({c.name}): {exc}") from None
-                    steps = res["steps"]
-                    runs[c.name].append({
-                        **res["summary"], **c.stored_bytes(store, str(model)),
-                        "token_ids": {k: steps[k]["outputs"][0]["token_ids"]
-                                      for k in ("cold", "host", "disk")},
-                        "processes": res["processes"]})
+                    runs[c.name].append(
+                        measure_contender(c, store, prompt, args, str(model), say))
                     shutil.rmtree(store, ignore_errors=True)
                 say(f"{n} tokens, repetition {rep + 1}/{repeats}: vLLM without a connector")
                 try:

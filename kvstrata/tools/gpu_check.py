@@ -21,8 +21,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 
 def _device() -> str | None:
     import torch
@@ -49,37 +47,19 @@ def _timed(fn, sync, reps: int) -> float:
 def measure(args: argparse.Namespace, device: str) -> dict[str, Any]:
     import torch
 
-    from kvstrata.tiers.device import DeviceStager, Transfer
     from kvstrata.tiers.host import HostSlab, default_slab_path
+    from kvstrata.tools.synthetic_kv import synthetic_kv
 
     mod = getattr(torch, device)
-    L, H, N, D = args.layers, 8, args.block_tokens, 128
     bpc, chunks = args.blocks_per_chunk, args.chunks
-    page = H * N * 2 * D * 2
-    num_blocks = 2 * chunks * bpc + 1
-    raw = torch.randint(-128, 128, (L * num_blocks * page,), dtype=torch.int8, device=device)
-    caches = {
-        f"layer{li}": raw[li * num_blocks * page : (li + 1) * num_blocks * page]
-        .view(torch.bfloat16)
-        .view(num_blocks, H, N, 2 * D)
-        for li in range(L)
-    }
-    shard = L * bpc * page
-    slab = HostSlab(default_slab_path(f"gpu-check-{os.getpid()}"), shard, chunks)
+    kv = synthetic_kv(layers=args.layers, kv_heads=8, block_tokens=args.block_tokens, head_size=128,
+                      blocks_per_chunk=bpc, chunks=chunks, device=device)
+    raw, page, nbytes = kv.raw, kv.page, kv.job_bytes
+    slab = HostSlab(default_slab_path(f"gpu-check-{os.getpid()}"), kv.shard_bytes, chunks)
     slab.unlink()
     try:
-        stager = DeviceStager(
-            caches,
-            [list(caches)],
-            slab,
-            num_blocks=num_blocks,
-            blocks_per_chunk=bpc,
-            shard_bytes=shard,
-        )
-        rng = np.random.default_rng(0)
-        ids = (rng.permutation(num_blocks - 1)[: chunks * bpc] + 1).reshape(chunks, bpc).tolist()
-        transfers = [Transfer(0, c, 0, ids[c]) for c in range(chunks)]
-        nbytes = chunks * shard
+        stager = kv.stager(slab)
+        transfers = kv.transfers()
         jobs = iter(range(1 << 30))
 
         def sync() -> None:

@@ -229,16 +229,21 @@ def test_chunk_is_on_disk_only_when_every_shard_is(env):
 # ---- prefetch -------------------------------------------------------------------------------------
 
 
-def test_prefetch_is_deduplicated_and_bounded(env):
+def _restart_with_stuck_reads(env, keys: list[bytes], **kw) -> tuple[GatedDisk, Hierarchy]:
+    """Store ``keys`` to disk, then a new hierarchy on the same store whose disk reads block
+    until ``gated.reads_open`` is set."""
     disk = env.disk()
     h = env.hier(disk, slots=16)
-    keys = [key(i) for i in range(6)]
     store(h, keys)
     h.close()
-
     gated = GatedDisk(disk)
     gated.reads_open.clear()
-    h2 = env.hier(gated, max_concurrent_reads=2, read_threads=4)
+    return gated, env.hier(gated, **kw)
+
+
+def test_prefetch_is_deduplicated_and_bounded(env):
+    keys = [key(i) for i in range(6)]
+    gated, h2 = _restart_with_stuck_reads(env, keys, max_concurrent_reads=2, read_threads=4)
     for _ in range(5):  # a scheduler asking again every step while the reads are stuck
         assert h2.lookup_many(keys) == [PENDING] * 6
         assert h2.promote(keys) == [PENDING] * 6
@@ -251,15 +256,8 @@ def test_prefetch_is_deduplicated_and_bounded(env):
 
 
 def test_promotions_in_flight_can_be_awaited(env):
-    disk = env.disk()
-    h = env.hier(disk, slots=16)
     keys = [key(i) for i in range(4)]
-    store(h, keys)
-    h.close()
-
-    gated = GatedDisk(disk)
-    gated.reads_open.clear()
-    h2 = env.hier(gated)
+    gated, h2 = _restart_with_stuck_reads(env, keys)
     assert not h2.in_flight(keys)
     assert h2.wait_promotions(keys, 0.0)  # nothing to wait for
     promoting: set[bytes] = set()
@@ -278,13 +276,7 @@ def test_promotions_in_flight_can_be_awaited(env):
 
 
 def test_close_wakes_promotion_waiters(env):
-    disk = env.disk()
-    h = env.hier(disk)
-    store(h, [key(1)])
-    h.close()
-    gated = GatedDisk(disk)
-    gated.reads_open.clear()
-    h2 = env.hier(gated)
+    gated, h2 = _restart_with_stuck_reads(env, [key(1)])
     assert h2.lookup_many([key(1)]) == [PENDING]
     threading.Timer(0.05, lambda: (h2.close(timeout=0.1), gated.reads_open.set())).start()
     t0 = time.monotonic()

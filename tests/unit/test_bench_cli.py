@@ -1,0 +1,29 @@
+"""The benchmark commands' argument handling (the benchmarks themselves run real engines for
+minutes and print timings: they are run by hand, never as timed tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.tools.cli import build_parser, main
+
+
+def test_bench_e2e_takes_the_side_by_side_options() -> None:
+    parser = build_parser()
+    plain = parser.parse_args(["bench", "e2e", "--json"])
+    assert (plain.prompt_tokens, plain.repeat, plain.vs_vllm_fs, plain.in_process) == (None, None, False, False)
+    side = parser.parse_args(["bench", "e2e", "--vs-vllm-fs", "--prompt-tokens", "4096", "8192",
+                              "--repeats", "2", "--vllm-copy-threads", "2"])
+    assert (side.prompt_tokens, side.repeat, side.vs_vllm_fs, side.vllm_copy_threads) == ([4096, 8192], 2, True, 2)
+    assert parser.parse_args(["bench", "e2e", "--repeat", "3"]).repeat == 3  # both spellings
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompt-tokens", "2048", "4096"], "several lengths only with --vs-vllm-fs"),
+    (["--prompt-tokens", "10"], "--prompt-tokens must be between 64 and 8000"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
+    (["--vs-vllm-fs", "--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bench_e2e_rejects_bad_options_before_starting_anything(argv, message, capsys) -> None:
+    assert main(["bench", "e2e", *argv]) != 0
+    assert message in capsys.readouterr().err
