@@ -7,7 +7,6 @@ transaction, so a concurrent writer can never make a record look half-written.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import lmdb
@@ -25,17 +24,6 @@ FRAME_UNREADABLE = "payload frame header unreadable"
 FRAME_MISMATCH = "payload frame does not match the index record"
 GROUP_MISMATCH = "index record group differs from the key"
 CHECKSUM = "checksum mismatch (payload corrupt)"
-
-_scratch = threading.local()
-
-
-def _buffer(nbytes: int) -> bytearray:
-    buf: bytearray | None = getattr(_scratch, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = bytearray(nbytes)
-        _scratch.buf = buf
-    return buf
-
 
 def check_frame(rec: sa.IndexRecord, key: bytes, payload: Any, *, decode: bool = True) -> str | None:
     """The problem with ``payload`` as the frame indexed by ``rec``, or None when it is sound.
@@ -60,7 +48,7 @@ def check_frame(rec: sa.IndexRecord, key: bytes, payload: Any, *, decode: bool =
         return GROUP_MISMATCH
     if decode:
         try:
-            codec.decode_into(payload, _buffer(rec.raw_len))
+            codec.decode_into(payload, codec.scratch(rec.raw_len))
         except (codec.CorruptRecord, ValueError):
             return CHECKSUM
     return None

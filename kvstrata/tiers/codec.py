@@ -134,7 +134,8 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.compressors: dict[int, zstd.ZstdCompressor] = {}
         self.decompressor = zstd.ZstdDecompressor()
-        self.scratch = np.empty(0, dtype=np.uint8)
+        self.scratch = np.empty(0, dtype=np.uint8)  # encode side (buffer())
+        self.sink = bytearray()  # decodes that only verify a frame (scratch())
 
     def compressor(self, level: int) -> zstd.ZstdCompressor:
         comp = self.compressors.get(level)
@@ -327,6 +328,14 @@ def _join_planes(planes: list[np.ndarray], size: int, dst: np.ndarray) -> None:
         grid = dst.reshape(-1, size)
         for j, plane in enumerate(planes):
             grid[:, j] = plane
+
+
+def scratch(nbytes: int) -> bytearray:
+    """A reusable per-thread buffer of at least ``nbytes``, for decodes done only to verify a
+    frame (the bytes are thrown away; the next call in the same thread overwrites them)."""
+    if len(_tls.sink) < nbytes:
+        _tls.sink = bytearray(nbytes)
+    return _tls.sink
 
 
 def decode_into(frame: Buffer, out: Buffer) -> int:

@@ -1050,7 +1050,7 @@ class DiskStore:
             if len(payload) != rec.stored_len:
                 return False
             try:
-                codec.decode_into(payload, _scratch(rec.raw_len))
+                codec.decode_into(payload, codec.scratch(rec.raw_len))
             except (codec.CorruptRecord, ValueError):
                 return False
             return True
@@ -1194,17 +1194,6 @@ _INDEX_DECODER = msgspec.msgpack.Decoder(IndexRecord)
 
 def _decode_record(value: Buffer) -> IndexRecord:
     return _INDEX_DECODER.decode(value)
-
-
-_scratch_tls = threading.local()
-
-
-def _scratch(nbytes: int) -> bytearray:
-    buf: bytearray | None = getattr(_scratch_tls, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = bytearray(nbytes)
-        _scratch_tls.buf = buf
-    return buf
 
 
 def _run_call(job: _CallJob) -> None:
