@@ -18,6 +18,7 @@ can be added as further contenders and compared on the same engine, model and pr
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", "--repeats", dest="repeat", type=int, default=None,
                         help="repetitions, each on a fresh store; figures are medians (default 1; "
                              "3 with --vs-vllm-fs)")
+    parser.add_argument("--kvstrata-config", type=_json_object, default={}, metavar="JSON",
+                        help="further kvstrata options (kv_connector_extra_config), e.g. "
+                             "'{\"codec\": \"raw\"}' to trade disk bytes for decode time")
     parser.add_argument("--vs-vllm-fs", action="store_true",
                         help="side by side against vLLM's own fs disk tier (OffloadingConnector + "
                              "TieringOffloadingSpec, run on CPU with a copy worker of the bench's "
@@ -73,6 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_vs_vllm.add_arguments(parser)
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of kvstrata options")
+    from kvstrata.connector.config import ConfigError, StrataConfig
+
+    try:  # the engine would refuse it minutes later; say so now
+        StrataConfig.from_extra_config(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 @dataclass
 class Contender:
     """One backend measured through the cold / host / restart phases."""
@@ -86,11 +106,13 @@ def kvstrata_contender(model: Path, args: argparse.Namespace) -> Contender:
     from kvstrata.tools import ttft
 
     def options(store: Path) -> EngineOptions:
-        return ttft.engine_options(
+        opts = ttft.engine_options(
             str(model), str(store), args.prompt_tokens,
             host_bytes=parse_size("--host-bytes", args.host_bytes),
             kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes),
             multiprocess=not getattr(args, "in_process", False))
+        opts.extra_config = dict(getattr(args, "kvstrata_config", None) or {})
+        return opts
 
     def stored(store: Path, model_path: str) -> dict[str, Any]:
         held = store_summary(store, model_path).get("model") or {}
@@ -177,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_cache_dropped": all(r["page_cache_dropped"] for r in mine),
         "warmup": not args.no_warmup,
         "multiprocess_engine": not args.in_process,
+        "kvstrata_config": args.kvstrata_config,
         "kvstrata_bytes": int(statistics.median(r["bytes"] for r in mine)),
         "kv_raw_bytes": int(statistics.median(r["raw_bytes"] for r in mine)),
         "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),

@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "repeats": repeats,
         "vllm_copy_threads": int(args.vllm_copy_threads),
+        "kvstrata_config": getattr(args, "kvstrata_config", None) or {},
         "results": results,
     }
     dropped = all(r["page_cache_dropped"] for r in results)

@@ -16,6 +16,19 @@ def test_bench_e2e_takes_the_side_by_side_options() -> None:
                               "--repeats", "2", "--vllm-copy-threads", "2"])
     assert (side.prompt_tokens, side.repeat, side.vs_vllm_fs, side.vllm_copy_threads) == ([4096, 8192], 2, True, 2)
     assert parser.parse_args(["bench", "e2e", "--repeat", "3"]).repeat == 3  # both spellings
+    assert parser.parse_args(["bench", "e2e", "--kvstrata-config", '{"codec": "raw"}']).kvstrata_config == {
+        "codec": "raw"}
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("[1]", "expected a JSON object"),
+    ("{codec", "not JSON"),
+    ('{"codek": "raw"}', "codek"),
+])
+def test_bench_e2e_checks_kvstrata_options_up_front(value, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "e2e", "--kvstrata-config", value])
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
