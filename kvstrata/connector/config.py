@@ -76,7 +76,7 @@ class StrataConfig:
     admission: int = 1
     eviction: str = "lru"
     prefetch_concurrency: int = 4
-    io_threads: int = 2
+    io_threads: int = 4
     max_disk_write_backlog_bytes: int = 512 << 20
     offload_prompt_only: bool = True
     max_age_s: float | None = None
