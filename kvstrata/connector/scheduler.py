@@ -97,6 +97,8 @@ class StrataScheduler:
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
         self._stale_below = 0
+        # Jobs in flight when the cache was reset: their completions only release host slots.
+        self._stale: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
         self._flush: set[int] = set()
         self._allocated: set[int] = set()
@@ -463,6 +465,7 @@ class StrataScheduler:
             done[job_id] = done.get(job_id, 0) + n
         for job_id, n in done.items():
             if job_id < self._stale_below or job_id not in self._jobs:
+                self._finish_stale(job_id, n)
                 continue
             job = self._jobs[job_id]
             job.pending -= n
@@ -470,6 +473,22 @@ class StrataScheduler:
                 continue
             ok = job_id not in meta.failed
             self._finish_job(job_id, job, ok)
+
+    def _finish_stale(self, job_id: int, n: int) -> None:
+        """A job from before a cache reset finished on ``n`` more workers: once all are done,
+        unpin its loads' slots and drop its stores (KV stored across a reset — e.g. one for new
+        weights — must not be served)."""
+        job = self._stale.get(job_id)
+        if job is None:
+            return
+        job.pending -= n
+        if job.pending > 0:
+            return
+        del self._stale[job_id]
+        if job.is_store:
+            self.hierarchy.complete_store(job.keys, success=False)
+        else:
+            self.hierarchy.complete_load(job.keys)
 
     def _finish_job(self, job_id: int, job: _Job, ok: bool) -> None:
         st = self._reqs.get(job.req_id)
@@ -528,6 +547,7 @@ class StrataScheduler:
             for gs in st.groups.values():
                 gs.next_stored_chunk = 0
         self._stale_below = self._next_job
+        self._stale.update(self._jobs)
         self._jobs.clear()
         self._block_jobs.clear()
         if self._being_loaded is not None:

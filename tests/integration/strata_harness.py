@@ -10,7 +10,7 @@ byte-for-byte: a loaded page must hold the value of the block it claims to be.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,7 +215,9 @@ class Runner:
         assert self.scheduler.reset_prefix_cache()
 
     # -------------------------------------------------------------------- steps
-    def step(self) -> None:
+    def step(self, before_output: Callable[[], None] | None = None) -> None:
+        """One engine step; ``before_output`` runs after the workers, before the scheduler
+        sees their results (where a cache reset can catch transfers in flight)."""
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         for req_id, n in self._new_loads(so).items():
@@ -232,6 +234,8 @@ class Runner:
         for req_id in results.finished_recving:
             if req_id in self.scheduler.requests and req_id not in results.failed_recving:
                 self._check_loaded_pages(self.scheduler.requests[req_id])
+        if before_output is not None:
+            before_output()
         reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens]
         out = ModelRunnerOutput(
             req_ids=[r.request_id for r in reqs],

@@ -149,6 +149,27 @@ def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path
     assert len(lookups) <= 3, lookups
 
 
+def test_reset_with_transfers_in_flight_releases_their_slots(runners) -> None:
+    """reset_prefix_cache() while stores are in flight: when they finish their slots are given
+    back (not left pinned and "being stored" forever) and their KV is not served."""
+    r = runners([G("full", 16)], extra={"disk": False})
+    hierarchy = r.connector.scheduler.hierarchy
+    r.add(_prompt(100), 4)
+    seen = {}
+
+    def reset_mid_step() -> None:
+        seen.update(hierarchy.stats())
+        r.connector.reset_cache()
+
+    r.step(before_output=reset_mid_step)  # the prefill's stores are in flight at the reset
+    assert seen["stores_inflight"] > 0
+    r.run_until_idle()
+    st = hierarchy.stats()
+    assert st["stores_inflight"] == 0 and st["host"]["not_ready"] == 0 and st["host"]["referenced"] == 0
+    assert st["stores_failed"] >= seen["stores_inflight"]  # dropped, as the reset asked
+    assert r.load_errors == []
+
+
 def test_other_model_layout_gets_zero_hits(runners, tmp_path: Path) -> None:
     store = tmp_path / "shared"
     a = runners([G("full", 16)], store=store)
