@@ -353,10 +353,11 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
 class JobError(RuntimeError):
     """A subprocess job failed; ``log_tail`` holds the end of its output."""
 
-    def __init__(self, message: str, log_tail: str = "") -> None:
+    def __init__(self, message: str, log_tail: str = "", returncode: int | None = None) -> None:
         super().__init__(f"{message}\n--- last lines of the engine log ---\n{log_tail}"
                          if log_tail else message)
         self.log_tail = log_tail
+        self.returncode = returncode  # negative: the engine was killed by that signal
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -428,7 +429,8 @@ def run_jobs_subprocess(
                 proc.wait()
                 raise
         if proc.returncode != 0 or not result_file.exists():
-            raise JobError(f"engine job exited with status {proc.returncode}", _tail(log_file))
+            raise JobError(f"engine job exited with status {proc.returncode}", _tail(log_file),
+                           returncode=proc.returncode)
         return json.loads(result_file.read_text())
 
 

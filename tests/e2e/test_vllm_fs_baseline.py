@@ -9,6 +9,8 @@ serves them from the fs tier, with identical output each time.
 from __future__ import annotations
 
 import random
+import signal
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 
 from kvstrata.tools import models
 from kvstrata.tools.bench_vs_vllm import fs_tier_usage
-from kvstrata.tools.engine import EngineOptions, run_job_subprocess
+from kvstrata.tools.engine import EngineOptions, JobError, run_job_subprocess
 from kvstrata.tools.vllm_fs_baseline import fs_transfer_config
 
 BLOCK = 32
@@ -37,8 +39,17 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(opts: EngineOptions, steps: list[dict[str, Any]], log: Path) -> dict[str, dict[str, Any]]:
-    result = run_job_subprocess({"engine": asdict(opts), "steps": steps}, timeout_s=240.0,
-                                log_path=log)
+    job = {"engine": asdict(opts), "steps": steps}
+    try:
+        result = run_job_subprocess(job, timeout_s=240.0, log_path=log)
+    except JobError as exc:
+        # vLLM's own engine (no kvstrata code runs in it) died of SIGILL in 2 of 6 runs of this
+        # test on 2026-11-29, at its first request, on this machine only: one more try, said.
+        if exc.returncode != -signal.SIGILL:
+            raise
+        warnings.warn(f"vLLM fs-tier engine died of SIGILL; retrying once:\n{exc.log_tail[-2000:]}",
+                      stacklevel=1)
+        result = run_job_subprocess(job, timeout_s=240.0, log_path=log.with_suffix(".retry.log"))
     return {s["name"]: s for s in result["steps"] if s["op"] == "generate"}
 
 
