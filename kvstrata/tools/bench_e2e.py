@@ -33,6 +33,7 @@ from kvstrata.tools.engine import EngineOptions, JobError, store_summary
 from kvstrata.tools.models import ModelPrepError, default_model_cache, prepare_smollm2
 
 DEFAULT_PROMPT_TOKENS = 4096
+SMOLLM2_CONTEXT = 8192
 GOALS = {"disk_vs_cold": 0.25, "disk_vs_host": 1.5}
 GOAL_MIN_PROMPT_TOKENS = 4096
 _TIMINGS = ("cold_ttft_s", "host_ttft_s", "disk_ttft_s")
@@ -40,7 +41,8 @@ _TIMINGS = ("cold_ttft_s", "host_ttft_s", "disk_ttft_s")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=None,
-                        help="prompt length in tokens (default 4096; at most 8000); with "
+                        help="prompt length in tokens (default 4096; at most SmolLM2's 8192-token "
+                             "context minus --max-tokens); with "
                              "--vs-vllm-fs one or more lengths (default 2048 4096 8192)")
     parser.add_argument("--max-tokens", type=int, default=16,
                         help="tokens generated per request, compared for identity (default %(default)s)")
@@ -156,8 +158,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise CLIError("give one --prompt-tokens (several lengths only with --vs-vllm-fs)")
     args.prompt_tokens = lengths[0]
     args.repeat = 1 if args.repeat is None else args.repeat
-    if not 64 <= args.prompt_tokens <= 8000:
-        raise CLIError("--prompt-tokens must be between 64 and 8000 (SmolLM2 has an 8k context)")
+    limit = SMOLLM2_CONTEXT - args.max_tokens
+    if not 64 <= args.prompt_tokens <= limit:
+        raise CLIError(f"--prompt-tokens must be between 64 and {limit} (SmolLM2's "
+                       f"{SMOLLM2_CONTEXT}-token context minus --max-tokens)")
     if args.repeat < 1:
         raise CLIError("--repeat must be at least 1")
 

@@ -35,13 +35,18 @@ from typing import Any
 
 from kvstrata.connector.config import parse_size
 from kvstrata.tools import ttft
-from kvstrata.tools.bench_e2e import Contender, kvstrata_contender, measure_contender
+from kvstrata.tools.bench_e2e import (
+    SMOLLM2_CONTEXT,
+    Contender,
+    kvstrata_contender,
+    measure_contender,
+)
 from kvstrata.tools.engine import EngineOptions, JobError, run_job_subprocess
 from kvstrata.tools.models import ModelPrepError, default_model_cache, prepare_smollm2
 
 DEFAULT_PROMPT_TOKENS = (2048, 4096, 8192)
 DEFAULT_REPEATS = 3
-MAX_MODEL_LEN = 8192  # SmolLM2's context
+MAX_MODEL_LEN = SMOLLM2_CONTEXT
 GOAL_MIN_PROMPT_TOKENS = 4096
 GOALS = {"disk_vs_vllm_fs": 0.8, "disk_vs_local": 1.0, "bytes_vs_vllm_fs": 0.7}
 KVSTRATA, VLLM_FS = "kvstrata", "vllm_fs"

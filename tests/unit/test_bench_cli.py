@@ -33,7 +33,8 @@ def test_bench_e2e_checks_kvstrata_options_up_front(value, message, capsys) -> N
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--prompt-tokens", "2048", "4096"], "several lengths only with --vs-vllm-fs"),
-    (["--prompt-tokens", "10"], "--prompt-tokens must be between 64 and 8000"),
+    (["--prompt-tokens", "10"], "--prompt-tokens must be between 64 and 8176"),
+    (["--prompt-tokens", "8100", "--max-tokens", "100"], "between 64 and 8092"),
     (["--repeat", "0"], "--repeat must be at least 1"),
     (["--vs-vllm-fs", "--repeats", "0"], "--repeats must be >= 1"),
 ])
