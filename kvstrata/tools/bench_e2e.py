@@ -18,12 +18,13 @@ can be added as further contenders and compared on the same engine, model and pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,29 @@ def kvstrata_contender(model: Path, args: argparse.Namespace) -> Contender:
     return Contender("kvstrata", options, stored)
 
 
+def smollm2(args: argparse.Namespace, say: Callable[[str], None]) -> Path:
+    """The benchmark model (prepared once, cached), or a CLIError saying why it cannot be."""
+    from kvstrata.tools.cli import CLIError
+
+    try:
+        return prepare_smollm2(args.model_cache, progress=lambda m: say(f"model: {m}"))
+    except ModelPrepError as exc:
+        raise CLIError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def stores_parent(store: Path | None, prefix: str) -> Iterator[Path]:
+    """``--store`` when given, else a temporary directory removed afterwards."""
+    if store is not None:
+        yield Path(store)
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def measure_contender(c: Contender, store: Path, prompt: list[int], args: argparse.Namespace,
                       model: str, say: Callable[[str], None]) -> dict[str, Any]:
     """One contender through cold -> host -> restart -> disk on a fresh ``store``: the timings,
@@ -168,27 +192,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def say(msg: str) -> None:
         print(f"bench e2e: {msg}", file=sys.stderr, flush=True)
 
-    try:
-        model = prepare_smollm2(args.model_cache, progress=lambda m: say(f"model: {m}"))
-    except ModelPrepError as exc:
-        raise CLIError(str(exc)) from None
+    model = smollm2(args, say)
     prompt = chat_prompt(model, args.prompt_tokens).token_ids
     contenders = [kvstrata_contender(model, args)]
-
-    parent = args.store
-    tmp = None
-    if parent is None:
-        tmp = parent = Path(tempfile.mkdtemp(prefix="kvstrata-bench-e2e-"))
-    try:
-        runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
+    with stores_parent(args.store, "kvstrata-bench-e2e-") as parent:
         for rep in range(args.repeat):
             for c in contenders:
                 say(f"repetition {rep + 1}/{args.repeat}: {c.name}")
                 runs[c.name].append(measure_contender(
-                    c, Path(parent) / f"{c.name}-{rep}", prompt, args, str(model), say))
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+                    c, parent / f"{c.name}-{rep}", prompt, args, str(model), say))
 
     mine = runs["kvstrata"]
     result: dict[str, Any] = {

