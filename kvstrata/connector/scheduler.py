@@ -58,6 +58,8 @@ class _RequestState:
     # Chunks the last (deferred) lookup found still on their way into the host tier: until one
     # of them lands, the same lookup would defer again, so it is not re-run.
     awaiting: list[bytes] = field(default_factory=list)
+    # Where the last lookup's hit ends inside a block (a partial tail, R30), for the load plan.
+    partial_boundary: int | None = None
 
 
 @dataclass
@@ -160,6 +162,16 @@ class StrataScheduler:
             max_load_tokens=st.max_load_tokens,
             being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
         )
+        hit, st.partial_boundary = semantics.partial_tail_hit(
+            self.layout,
+            complete_hit=hit,
+            num_prompt_tokens=request.num_prompt_tokens,
+            local_computed=num_computed_tokens,
+            block_hashes=request.block_hashes,
+            probe=probe,
+            max_new_tokens=max_num_new_tokens,
+            max_load_tokens=st.max_load_tokens,
+        )
         self.stats.lookups += 1
         if hit is None:
             self.stats.lookup_deferrals += 1
@@ -220,6 +232,16 @@ class StrataScheduler:
                     break
             load_start[geom.index] = start
             block_ids[geom.index] = [b.block_id for b in group_blocks[:n_gpu]]
+        tail_keys = None
+        boundary, st.partial_boundary = st.partial_boundary, None
+        if boundary is not None:
+            if boundary != cached:
+                raise RuntimeError(
+                    f"request {request.request_id}: vLLM allocated {cached} cached tokens for a "
+                    f"hit ending at the partial-tail boundary {boundary}")
+            tail_keys = {
+                g.index: semantics.boundary_key(request.block_hashes, boundary, g) for g in self.layout.groups
+            }
         transfers = semantics.plan_load(
             self.layout,
             local_computed=st.num_local,
@@ -227,6 +249,7 @@ class StrataScheduler:
             block_ids=block_ids,
             load_start_block=load_start,
             keys={g: gs.keys for g, gs in st.groups.items()},
+            tail_keys=tail_keys,
         )
         keys = [t.key for t in transfers]
         slots = self.hierarchy.prepare_load(keys)
@@ -421,7 +444,8 @@ class StrataScheduler:
                 self._flush.add(job_id)
 
     def _boundary_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
-        """Mamba align states, only from the scheduler's exact hand-offs (R25, §3.8 B)."""
+        """States the scheduler hands off (R25): align-mode Mamba states at chunk boundaries
+        (§3.8 B), and every group at a boundary inside a block (partial tails, §3.8 C)."""
         state = getattr(so, "kv_connector_block_state", None)
         offers = state.boundary_state_offloads if state else None
         if not offers:
@@ -431,28 +455,48 @@ class StrataScheduler:
             st = self._reqs.get(req_id)
             if st is None:
                 continue
+            req = st.req
             max_boundary = semantics.offloadable_tokens(
-                num_computed=st.req.num_tokens, num_scheduled=0, num_tokens=st.req.num_tokens,
-                num_prompt_tokens=st.req.num_prompt_tokens, finished=False, aborted=False,
+                num_computed=req.num_tokens, num_scheduled=0, num_tokens=req.num_tokens,
+                num_prompt_tokens=req.num_prompt_tokens, finished=False, aborted=False,
                 offload_prompt_only=self.offload_prompt_only, max_offload_tokens=st.max_offload_tokens,
             )
             for t in semantics.plan_boundary_stores(
-                self.layout, entries, offloadable=max_boundary, block_hashes=st.req.block_hashes
+                self.layout, entries, offloadable=max_boundary, block_hashes=req.block_hashes
             ):
-                slots = self.hierarchy.prepare_store([t.key])
-                if slots is None:
-                    self.stats.allocation_failures += 1
-                    continue
-                if t.key not in slots:
-                    continue
-                job_id = self._new_job(st, is_store=True, keys=[t.key])
-                self._jobs[job_id].fenced.extend(t.block_ids)
-                for bid in t.block_ids:
-                    self._block_jobs.setdefault(bid, set()).add(job_id)
-                jobs.append(
-                    TransferJob(job_id, req_id, True, [ChunkCopy(t.group, slots[t.key], t.first_block_in_chunk, tuple(t.block_ids))])
-                )
+                job = self._fenced_store_job(st, [t])
+                if job is not None:
+                    jobs.append(job)
+            tail_limit = req.num_prompt_tokens
+            if st.max_offload_tokens is not None:
+                tail_limit = min(tail_limit, st.max_offload_tokens)
+            for transfers in semantics.plan_partial_tail_stores(
+                self.layout, entries, block_ids={g: gs.block_ids for g, gs in st.groups.items()},
+                block_hashes=req.block_hashes, max_boundary=tail_limit,
+            ):
+                job = self._fenced_store_job(st, transfers)
+                if job is not None:
+                    jobs.append(job)
         return jobs
+
+    def _fenced_store_job(self, st: _RequestState, transfers: list[Any]) -> TransferJob | None:
+        """One store job for the transfers the store accepts, their blocks fenced at once (the
+        scheduler's hand-off guarantees the bytes only until the blocks are reused)."""
+        slots = self.hierarchy.prepare_store([t.key for t in transfers])
+        if slots is None:
+            self.stats.allocation_failures += 1
+            return None
+        chosen = [t for t in transfers if t.key in slots]
+        if not chosen:
+            return None
+        job_id = self._new_job(st, is_store=True, keys=[t.key for t in chosen])
+        for t in chosen:
+            self._jobs[job_id].fenced.extend(t.block_ids)
+            for bid in t.block_ids:
+                self._block_jobs.setdefault(bid, set()).add(job_id)
+        copies = [ChunkCopy(t.group, slots[t.key], t.first_block_in_chunk, tuple(t.block_ids)) for t in chosen]
+        self.stats.store_jobs += 1
+        return TransferJob(job_id, st.req.request_id, True, copies)
 
     # ------------------------------------------------------------- completions
     def update_connector_output(self, out: KVConnectorOutput) -> None:
@@ -544,6 +588,7 @@ class StrataScheduler:
         for st in self._reqs.values():
             st.jobs.clear()
             st.awaiting = []
+            st.partial_boundary = None
             for gs in st.groups.values():
                 gs.next_stored_chunk = 0
         self._stale_below = self._next_job

@@ -336,6 +336,12 @@ def _summary(r: dict[str, Any], before: dict[str, int], after: dict[str, int]) -
 # ---- the child: the engine, the resume check, the batches ------------------------------------
 
 
+@dataclass(frozen=True)
+class _PromptKeys:
+    hashes: list[bytes]  # vLLM's block hashes of the prompt
+    chunks: dict[int, list[bytes]]  # group -> chunk keys
+
+
 class _StoredCheck:
     """Is a prompt's whole servable prefix on disk? Computed the way the connector does it."""
 
@@ -353,7 +359,7 @@ class _StoredCheck:
         self._hash = get_hash_fn_by_name(algo)
         self._hash_block = kv_cache_utils.hash_block_tokens
 
-    def keys(self, ids: Sequence[int]) -> dict[int, list[bytes]]:
+    def keys(self, ids: Sequence[int]) -> _PromptKeys:
         from kvstrata.connector import semantics
 
         tph = self.plan.tokens_per_hash
@@ -362,9 +368,10 @@ class _StoredCheck:
         for start in range(0, len(ids) - tph + 1, tph):
             parent = self._hash_block(self._hash, parent, ids[start : start + tph], None)
             hashes.append(bytes(parent))
-        return {g.index: semantics.chunk_keys(hashes, g) for g in self.plan.layout.groups}
+        chunks = {g.index: semantics.chunk_keys(hashes, g) for g in self.plan.layout.groups}
+        return _PromptKeys(hashes, chunks)
 
-    def _hit(self, ids: Sequence[int], keys: dict[int, list[bytes]], store: Any | None) -> int:
+    def _hit(self, ids: Sequence[int], keys: _PromptKeys, store: Any | None) -> int:
         from kvstrata.connector import semantics
         from kvstrata.presence import Presence
 
@@ -382,12 +389,17 @@ class _StoredCheck:
                 for i in range(len(batch))
             ]
 
+        layout = self.plan.layout
         hit = semantics.lookup_hit(
-            self.plan.layout, num_tokens=len(ids), local_computed=0, keys=keys, probe=probe
+            layout, num_tokens=len(ids), local_computed=0, keys=keys.chunks, probe=probe
+        )
+        hit, _ = semantics.partial_tail_hit(
+            layout, complete_hit=hit, num_prompt_tokens=len(ids), local_computed=0,
+            block_hashes=keys.hashes, probe=probe,
         )
         return hit or 0
 
-    def fully_stored(self, ids: Sequence[int], keys: dict[int, list[bytes]], store: Any) -> bool:
+    def fully_stored(self, ids: Sequence[int], keys: _PromptKeys, store: Any) -> bool:
         best = self._hit(ids, keys, None)
         return best > 0 and self._hit(ids, keys, store) >= best
 
@@ -447,15 +459,15 @@ def child_main(argv: list[str]) -> int:
     except Exception as exc:  # vLLM internals moved: run everything rather than guess
         check, resume = None, f"unavailable ({type(exc).__name__}: {exc}); every prompt was run"
     tokens = tokens_run = skipped = run = 0
-    pending: list[tuple[list[int], dict[int, list[bytes]]]] = []
+    pending: list[tuple[list[int], _PromptKeys | None]] = []
     try:
         for batch in _batches(Path(spec["prompts_file"]), int(spec["batch_size"])):
             ids = _tokenize(llm, batch)
             todo: list[list[int]] = []
             for prompt_ids in ids:
                 tokens += len(prompt_ids)
-                keys = check.keys(prompt_ids) if check else {}
-                if check and check.fully_stored(prompt_ids, keys, check.disk):
+                keys = check.keys(prompt_ids) if check else None
+                if check and keys and check.fully_stored(prompt_ids, keys, check.disk):
                     skipped += 1
                     continue
                 todo.append(prompt_ids)
@@ -476,7 +488,7 @@ def child_main(argv: list[str]) -> int:
 
         # The connector's environment is closed now: opening the store again here is safe.
         with DiskStore(opts.store, budget_bytes=ts.UNLIMITED, readonly=True) as store:
-            fully = skipped + sum(check.fully_stored(i, k, store) for i, k in pending)
+            fully = skipped + sum(k is not None and check.fully_stored(i, k, store) for i, k in pending)
     result = {
         "store": opts.store,
         "prompts": skipped + run,

@@ -49,9 +49,15 @@ class ModelCase:
     build: Callable[[Path, int], Path]  # (directory, seed) -> model directory
     engine: dict[str, Any] = field(default_factory=dict)
     eagle: bool = False
+    # vLLM's ``prefix_match_unit``: hash every N tokens, finer than the blocks. With a Mamba-align
+    # hybrid that makes hits end inside a block, at the prompt's last N-token boundary (partial
+    # tails, R7/R30).
+    prefix_match_unit: int | None = None
 
     def options(self, model_dir: Path, store: Path, **overrides: Any) -> EngineOptions:
         engine = dict(self.engine)
+        if self.prefix_match_unit is not None:
+            engine["llm_kwargs"] = {"prefix_match_unit": self.prefix_match_unit}
         if self.eagle:
             engine["speculative_config"] = {
                 "method": "eagle", "model": str(model_dir / "draft"), "num_speculative_tokens": 2}
@@ -81,6 +87,11 @@ CASES: dict[str, ModelCase] = {
     # chunks and are bit-identical, so any difference is kvstrata's.
     "qwen3_next": ModelCase("qwen3_next", lambda d, s: models.make_tiny_qwen3_next(d, seed=s),
                             engine={"max_num_batched_tokens": 384, "max_num_seqs": 1}),
+    # The same with 128-token hashes: the state at each prompt's last 128-token boundary is stored
+    # from the scheduler's copy-on-write hand-off and served, up to 383 tokens more per prompt.
+    "qwen3_next_tails": ModelCase("qwen3_next_tails", lambda d, s: models.make_tiny_qwen3_next(d, seed=s),
+                                  engine={"max_num_batched_tokens": 384, "max_num_seqs": 1},
+                                  prefix_match_unit=128),
     "llama_eagle": ModelCase("llama_eagle", _llama_with_eagle, eagle=True),
 }
 

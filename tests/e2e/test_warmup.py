@@ -1,7 +1,8 @@
 """``kvstrata warmup`` on a real vLLM engine (CPU, tiny random Llama).
 
 warmup fills a store; a new engine on that store serves the prefixes from its first request, with
-the same output as an engine without kvstrata; a second warmup skips every prompt.
+the same output as an engine without kvstrata; a second warmup skips every prompt. The same for a
+Gated-DeltaNet hybrid (Qwen3-Next) hashed finer than its blocks, whose prompts end in partial tails.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "model": model, "corpus": corpus, "store": root / "store"}
 
 
-def _warmup(setup: dict[str, Any]) -> dict[str, Any]:
+def _warmup(setup: dict[str, Any], *extra: str) -> dict[str, Any]:
     proc = subprocess.run(
         [*KVSTRATA, "warmup", "--json", "--model", str(setup["model"]), "--prompts",
          str(setup["corpus"]), "--store", str(setup["store"]), "--max-model-len", "2048",
          "--kv-cache-memory", "64MiB", "--host-bytes", "64MiB", "--batch-size", "2",
-         "--log", str(setup["root"] / "warmup.log")],
+         "--log", str(setup["root"] / "warmup.log"), *extra],
         capture_output=True, text=True, timeout=600, check=False,
         # The serving engines run without PYTHONHASHSEED (engine.child_env): so must warmup,
         # which hashes with whatever seed the user's environment has.
@@ -56,10 +57,10 @@ def _warmup(setup: dict[str, Any]) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def _engine(setup: dict[str, Any], store: Path | None, name: str) -> dict[str, Any]:
+def _engine(setup: dict[str, Any], store: Path | None, name: str, **engine: Any) -> dict[str, Any]:
     opts = EngineOptions(model=str(setup["model"]), store=str(store) if store else None,
                          host_bytes=64 << 20, kv_cache_memory_bytes=64 << 20, max_model_len=2048,
-                         skip_tokenizer_init=True)
+                         skip_tokenizer_init=True, **engine)
     steps = [{"op": "generate", "name": "first", "prompts": _prompts(), "max_tokens": 8}]
     result = run_job_subprocess({"engine": asdict(opts), "steps": steps}, timeout_s=600,
                                 log_path=setup["root"] / f"{name}.log")
@@ -97,3 +98,39 @@ def test_warmup_again_skips_what_is_stored(setup: dict[str, Any]) -> None:
     assert again["resume_check"] == "exact"
     assert again["prompts_skipped_already_stored"] == 3 and again["prompts_run"] == 0
     assert again["chunks_added"] == 0 and again["prompts_fully_stored"] == 3
+
+
+HYBRID_UNIT = 128  # prefix_match_unit: hashes every 128 tokens, inside the 384-token GDN blocks
+# As tests/e2e/e2e_harness.py's Qwen3-Next case: prefill chunks on the block, one sequence per step.
+HYBRID_ENGINE = {"max_num_batched_tokens": 384, "max_num_seqs": 1,
+                 "llm_kwargs": {"prefix_match_unit": HYBRID_UNIT}}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("warmup-hybrid")
+    model = models.make_tiny_qwen3_next(root / "model")
+    corpus = root / "prompts.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in _prompts()))
+    return {"root": root, "model": model, "corpus": corpus, "store": root / "store"}
+
+
+@pytest.mark.slow
+def test_warmup_stores_partial_tails_of_a_hybrid_model(hybrid: dict[str, Any]) -> None:
+    """warmup stores each prompt's partial tail (the state at its last hash boundary, inside a
+    block); a new engine serves every prompt up to there, from disk, with the output of an engine
+    without kvstrata; a second warmup finds every prompt fully stored, tails included."""
+    args = ("--max-num-batched-tokens", "384", "--max-num-seqs", "1",
+            "--vllm-arg", f"prefix_match_unit={HYBRID_UNIT}")
+    summary = _warmup(hybrid, *args)
+    assert summary["prompts_run"] == 3 and summary["prompts_fully_stored"] == 3, summary
+
+    served = _engine(hybrid, hybrid["store"], "served", **HYBRID_ENGINE)
+    baseline = _engine(hybrid, None, "baseline", **HYBRID_ENGINE)
+    assert [o["token_ids"] for o in served["outputs"]] == [o["token_ids"] for o in baseline["outputs"]]
+    for prompt, out in zip(_prompts(), served["outputs"], strict=True):
+        assert out["num_cached_tokens"] == (len(prompt) - 1) // HYBRID_UNIT * HYBRID_UNIT, out
+    assert served["metrics"].get("vllm:kvstrata_hit_tokens_disk", 0) > 0, served["metrics"]
+
+    again = _warmup(hybrid, *args)
+    assert again["prompts_skipped_already_stored"] == 3 and again["chunks_added"] == 0, again

@@ -109,7 +109,7 @@ def kv_cache_config(groups: list[G], num_blocks: int) -> KVCacheConfig:
 def vllm_config(model_dir: Path, store: Path, *, block_size: int, extra: dict[str, Any] | None = None,
                 spec_decode: bool = False, retention: int | None = None,
                 max_num_batched_tokens: int = 4096, hash_algo: str = "sha256",
-                mamba: bool = False) -> VllmConfig:
+                mamba: bool = False, prefix_match_unit: int | None = None) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True,
                         max_model_len=8192)
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
@@ -121,6 +121,8 @@ def vllm_config(model_dir: Path, store: Path, *, block_size: int, extra: dict[st
     cache.prefix_cache_retention_interval = retention
     if mamba:
         cache.mamba_cache_mode = "align"  # states kept at block boundaries and handed off
+    # Hybrid models only: hash (and match prefixes) at a finer grain than the blocks.
+    cache.prefix_match_unit = prefix_match_unit
     kvt = KVTransferConfig(
         kv_connector="StrataConnector", kv_connector_module_path="kvstrata.connector",
         kv_role="kv_both",
@@ -156,13 +158,15 @@ class Runner:
     spec_decode: bool = False
     retention: int | None = None
     max_num_batched_tokens: int = 4096
+    prefix_match_unit: int | None = None
 
     def __post_init__(self) -> None:
         block_size = max(g.block_size for g in self.groups)
         self.config = vllm_config(self.model_dir, self.store, block_size=block_size, extra=self.extra,
                                   spec_decode=self.spec_decode, retention=self.retention,
                                   max_num_batched_tokens=self.max_num_batched_tokens,
-                                  mamba=any(g.kind == "mamba" for g in self.groups))
+                                  mamba=any(g.kind == "mamba" for g in self.groups),
+                                  prefix_match_unit=self.prefix_match_unit)
         self.kv_config = kv_cache_config(self.groups, self.num_blocks)
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         sched_block, hash_block = resolve_kv_cache_block_sizes(self.kv_config, self.config)
@@ -240,7 +244,10 @@ class Runner:
         out = ModelRunnerOutput(
             req_ids=[r.request_id for r in reqs],
             req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
-            sampled_token_ids=[[self._next_token(r)] for r in reqs],
+            # A request still prefilling (a partial chunk) samples nothing, as in vLLM's runner.
+            sampled_token_ids=[
+                [self._next_token(r)] if r.num_computed_tokens >= r.num_tokens else [] for r in reqs
+            ],
             logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=results.finished_sending, finished_recving=results.finished_recving,
@@ -280,8 +287,25 @@ class Runner:
         for layer, name in enumerate(self.kv_config.kv_cache_groups[g].layer_names):
             yield layer, self.kv[name][block_id]
 
+    def _is_state(self, g: int) -> bool:
+        return self.groups[g].kind == "mamba"
+
+    def _apply_block_copies(self, so: Any) -> None:
+        """The scheduler's copy-on-write copies (Mamba align states): run before the forward."""
+        for copy in getattr(so, "kv_cache_block_copies", None) or ():
+            for kv in self.kv.values():
+                kv[copy.dst_block_id].copy_(kv[copy.src_block_id])
+
     def _emulate_forward(self, so: Any) -> None:
-        """Write every block page completed by this step with its deterministic value."""
+        """Write what this step computes, each value a function of the prefix it depends on.
+
+        Attention groups: every hash block completed by this step gets, in its token slots, the
+        value of its hash (so a block holding a partial tail is checkable up to the boundary).
+        Mamba groups: each block completed by this step holds the state at its end; the running
+        state block holds the state at the step's end, recognisable only at a hash boundary (0
+        elsewhere, never a valid value).
+        """
+        self._apply_block_copies(so)
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             # schedule() already advanced num_computed_tokens past this step's tokens.
@@ -289,31 +313,61 @@ class Runner:
             ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             for g, spec in enumerate(self.kv_config.kv_cache_groups):
                 bs = spec.kv_cache_spec.block_size
-                for b in range(start // bs, end // bs):
-                    if b >= len(ids[g]) or ids[g][b] == 0:
-                        continue
-                    h = self._block_hash_at(req, (b + 1) * bs)
-                    if h is None:
-                        continue
-                    for layer, page in self._group_pages(g, ids[g][b]):
-                        page.fill_(page_value(h, g, layer))
+                if self._is_state(g):
+                    self._write_states(req, ids[g], g, bs, start, end)
+                else:
+                    self._write_tokens(req, ids[g], g, bs, start, end)
+
+    def _write_tokens(self, req: Request, ids: list[int], g: int, bs: int, start: int, end: int) -> None:
+        tph = self.hash_block
+        for hb in range(start // tph, end // tph):
+            b, pos = divmod(hb * tph, bs)
+            h = self._block_hash_at(req, (hb + 1) * tph)
+            if b >= len(ids) or ids[b] == 0 or h is None:
+                continue
+            for layer, page in self._group_pages(g, ids[b]):
+                page[:, pos : pos + tph].fill_(page_value(h, g, layer))
+
+    def _write_states(self, req: Request, ids: list[int], g: int, bs: int, start: int, end: int) -> None:
+        ends = [(b + 1) * bs for b in range(start // bs, end // bs)]
+        if end % bs:
+            ends.append(end)  # the running state, in the block the step ends in
+        for state_end in ends:
+            b = -(-state_end // bs) - 1
+            if b >= len(ids) or ids[b] == 0:
+                continue
+            h = self._block_hash_at(req, state_end) if state_end % self.hash_block == 0 else None
+            for layer, page in self._group_pages(g, ids[b]):
+                page.fill_(0 if h is None else page_value(h, g, layer))
 
     def _check_loaded_pages(self, req: Request) -> None:
-        """Every non-null block below the loaded boundary must hold its own block's value."""
+        """Every loaded position must hold what the forward wrote for it: each hash block below
+        the loaded boundary (attention), the state at the boundary (Mamba)."""
         ids = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)
         cached = req.num_computed_tokens
         local = self._local_hit(req)
+        tph = self.hash_block
         for g, spec in enumerate(self.kv_config.kv_cache_groups):
             bs = spec.kv_cache_spec.block_size
-            for b in range(local // bs, cached // bs):
+            for b in range(local // bs, -(-cached // bs)):
                 if b >= len(ids[g]) or ids[g][b] == 0:
                     continue
-                h = self._block_hash_at(req, (b + 1) * bs)
-                for layer, page in self._group_pages(g, ids[g][b]):
-                    want = page_value(h, g, layer)
-                    got = int(page.flatten()[0].item())
-                    if got != want:
-                        self.load_errors.append(f"{req.request_id} g{g} block {b}: {got} != {want}")
+                if self._is_state(g):
+                    # A state block holds the state at its end, or at the boundary inside it.
+                    checks = [(min((b + 1) * bs, cached), None)]
+                else:
+                    checks = [
+                        (p + tph, p - b * bs) for p in range(b * bs, min((b + 1) * bs, cached), tph)
+                        if p + tph <= cached
+                    ]
+                for state_end, pos in checks:
+                    h = self._block_hash_at(req, state_end)
+                    for layer, page in self._group_pages(g, ids[g][b]):
+                        want = page_value(h, g, layer)
+                        got = int((page.flatten() if pos is None else page[:, pos].flatten())[0].item())
+                        if got != want:
+                            self.load_errors.append(
+                                f"{req.request_id} g{g} block {b} @{state_end}: {got} != {want}")
 
     def close(self) -> None:
         self.worker.shutdown()

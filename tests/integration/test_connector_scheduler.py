@@ -271,3 +271,29 @@ def test_connector_stats_report_tiers_and_hits(runners) -> None:
     # vLLM rebuilds the stats object from the dict in its logger process.
     rebuilt = StrataConnector.build_kv_connector_stats(data)
     assert rebuilt.reduce()["hit_tokens"] == 96
+
+
+# Partial tails (R7, R30, §3.8 C): FA16 + Mamba-align 16 hashed every 4 tokens. A 30-token prompt
+# has one complete chunk (16); its replay boundary is 29 rounded down to a hash: 28. The scheduler
+# splits the prefill there and hands off the Mamba state @28 when the next chunk copies it
+# (copy-on-write); kvstrata then stores both groups at 28 under boundary keys.
+PARTIAL_TAIL = [G("full", 16), G("mamba", 16)]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_partial_tail_is_stored_and_served(runners, max_tokens: int) -> None:
+    r = runners(PARTIAL_TAIL, prefix_match_unit=4)
+    assert r.connector.scheduler.layout.supports_partial_tail
+    assert _store_then_serve(r, _prompt(30), max_tokens=max_tokens) == 28
+
+
+def test_partial_tail_served_from_disk_after_restart(runners, tmp_path: Path) -> None:
+    store = tmp_path / "persist"
+    first = runners(PARTIAL_TAIL, store=store, prefix_match_unit=4)
+    first.serve(_prompt(30), 1)
+    first.close()
+    second = runners(PARTIAL_TAIL, store=store, prefix_match_unit=4)
+    assert second.serve(_prompt(30), 1) == 28
+    assert second.load_errors == []
+    assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] > 0
+

@@ -33,14 +33,20 @@ Lookup (``lookup``)
     state lies beyond it. kvstrata re-runs the lookup with the cap rounded down to the Mamba chunk
     until the hit ends on a Mamba boundary (``align_final_to_mamba=False`` reproduces vLLM).
     ``prefix_run`` (R18) and ``window_run`` (R19) are exposed for tests.
+    ``partial_tail_hit(layout, *, complete_hit, num_prompt_tokens, local_computed, block_hashes,
+    probe, max_new_tokens=None, max_load_tokens=None) -> (hit | None, boundary | None)``: for
+    ``supports_partial_tail`` layouts, extends a complete hit into the next block at hash
+    granularity where every group holds the boundary key (R7, R30).
 
 Loads and boundary stores (``transfers``)
     ``ChunkTransfer(group, chunk_index, key, block_ids, first_block_in_chunk)``.
-    ``plan_load(layout, *, local_computed, hit_tokens, block_ids, keys, load_start_block=None)
-    -> list[ChunkTransfer]`` (R22, R35); ``chunks_covered(layout, tokens)`` (the adapter's
-    ``next_stored_chunk`` after a load). ``plan_boundary_stores(layout, offers, *, offloadable,
-    block_hashes) -> list[ChunkTransfer]``: Mamba states only from the scheduler's exact hand-offs
-    (§3.8 B, R25).
+    ``plan_load(layout, *, local_computed, hit_tokens, block_ids, keys, load_start_block=None,
+    tail_keys=None) -> list[ChunkTransfer]`` (R22, R35; ``tail_keys``: the boundary keys of a
+    partial-tail hit); ``chunks_covered(layout, tokens)`` (the adapter's ``next_stored_chunk``
+    after a load). ``plan_boundary_stores(layout, offers, *, offloadable, block_hashes) ->
+    list[ChunkTransfer]``: Mamba states only from the scheduler's exact hand-offs (§3.8 B, R25).
+    ``plan_partial_tail_stores(layout, offers, *, block_ids, block_hashes, max_boundary) ->
+    list[list[ChunkTransfer]]``: every group at a hand-off boundary inside a block (§3.8 C).
 
 Stores (``store``)
     ``offloadable_tokens(*, num_computed, num_scheduled, num_tokens, num_prompt_tokens, finished,
@@ -64,9 +70,8 @@ the window tail was not kept (served 0); a window with ``W - 1 + extra`` a multi
 looked up with one chunk more than is stored; a Mamba hybrid's hit is rounded below the
 attention-aligned replay boundary, where no window tail was kept.
 
-Not implemented: partial tails (R7, R30, §3.7 C). With a layout where vLLM would support them
-(``Layout.supports_partial_tail``) kvstrata serves complete chunks only, and
-``plan_boundary_stores`` ignores hand-offs that are not chunk-aligned.
+Partial tails (R7, R30, §3.8 C) follow vLLM 0.32.0, with one difference: a request's
+``max_offload_tokens`` of 0 stores no partial tail (vLLM reads 0 as "no cap" there).
 """
 
 from kvstrata.connector.semantics.geometry import (
@@ -82,6 +87,7 @@ from kvstrata.connector.semantics.lookup import (
     Probe,
     initial_cap,
     lookup_hit,
+    partial_tail_hit,
     prefix_run,
     window_run,
 )
@@ -98,6 +104,7 @@ from kvstrata.connector.semantics.transfers import (
     first_fresh_block,
     plan_boundary_stores,
     plan_load,
+    plan_partial_tail_stores,
 )
 
 __all__ = [
@@ -116,8 +123,10 @@ __all__ = [
     "make_key",
     "mamba_reachable_mask",
     "offloadable_tokens",
+    "partial_tail_hit",
     "plan_boundary_stores",
     "plan_load",
+    "plan_partial_tail_stores",
     "plan_store",
     "prefix_run",
     "resolve_drafter_flags",

@@ -233,10 +233,11 @@ class Layout:
 
     @cached_property
     def supports_partial_tail(self) -> bool:
-        """Whether vLLM 0.32.0 would look up sub-chunk tails for this layout (R7, DCP 1 assumed).
+        """Whether hits may end inside a block, at hash granularity (R7, DCP 1 assumed).
 
-        kvstrata serves complete chunks only (never more than is stored, so always safe); with such
-        a layout it serves at most one Mamba block less than vLLM could.
+        One block per chunk, one block size, an align-mode Mamba group whose block is coarser than
+        a hash, no windowed group but Mamba, no drafter: one boundary then names every group's
+        state (``partial_tail_hit``, ``plan_partial_tail_stores``).
         """
         return (
             self.blocks_per_chunk == 1

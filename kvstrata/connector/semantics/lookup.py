@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvstrata.connector.semantics.geometry import GroupGeometry, Layout, cdiv, round_down
+from kvstrata.connector.semantics.keys import boundary_key
 from kvstrata.presence import Presence
 
 Probe = Callable[[Sequence[bytes]], Sequence[Presence]]
@@ -269,3 +270,74 @@ def lookup_hit(
     ):
         return None
     return hit
+
+
+def partial_tail_hit(
+    layout: Layout,
+    *,
+    complete_hit: int | None,
+    num_prompt_tokens: int,
+    local_computed: int,
+    block_hashes: Sequence[bytes],
+    probe: Probe,
+    max_new_tokens: int | None = None,
+    max_load_tokens: int | None = None,
+) -> tuple[int | None, int | None]:
+    """Extend a complete-chunk hit into the next block at hash granularity (R7, R30).
+
+    Only for layouts with ``supports_partial_tail`` (one block per chunk, one block size, an
+    align-mode Mamba group whose block is coarser than a hash): there a complete-chunk hit may
+    leave up to a block minus one hash of the prompt to recompute. The scheduler stores the state
+    at the replay boundary (and shared-prefix junctions) under boundary keys (R13) for every group:
+    the attention block holding that boundary and the Mamba state after it.
+
+    Boundaries from ``min(num_prompt_tokens - 1, end of the block after the hit - 1)`` (and the
+    caps), rounded down to a hash, down to the complete hit, are tried in turn; each needs every
+    group's boundary key. Keys are probed one at a time so that a miss in one group does not start
+    disk promotions of the others. Returns ``(hit, boundary)``: the hit beyond ``local_computed``
+    (the complete hit if no boundary is servable) and the boundary served, if any. A hit of None
+    means ask again later: when keys on their way were seen and there is no complete hit (vLLM),
+    and — kvstrata only — when a boundary that every group holds is still on its way into the host
+    tier. vLLM then serves the complete hit alone, so after a restart, with every key on disk, it
+    would recompute the tail (up to a block) to save the wait for two promotions.
+    """
+    if complete_hit is None or not layout.supports_partial_tail:
+        return complete_hit, None
+    complete_end = local_computed + complete_hit
+    tph = layout.tokens_per_hash
+    block_end = complete_end + layout.groups[0].tokens_per_block
+    max_boundary = min(num_prompt_tokens - 1, block_end - 1)
+    if max_new_tokens is not None:
+        max_boundary = min(max_boundary, local_computed + max_new_tokens)
+    if max_load_tokens is not None:
+        max_boundary = min(max_boundary, local_computed + max_load_tokens)
+    max_boundary = round_down(max_boundary, tph)
+    pending = awaited = False
+    for boundary in range(max_boundary, complete_end, -tph):
+        servable, waiting, whole = _boundary_presence(layout, block_hashes, boundary, probe)
+        if servable:
+            return boundary - local_computed, boundary
+        pending |= waiting
+        awaited |= whole
+    if pending and complete_hit == 0 or awaited:
+        return None, None
+    return complete_hit, None
+
+
+def _boundary_presence(
+    layout: Layout, block_hashes: Sequence[bytes], boundary: int, probe: Probe
+) -> tuple[bool, bool, bool]:
+    """(every group holds its boundary key, some key seen is on its way, every group holds or
+    is getting its key while some are on their way).
+
+    The scan stops at the first group that misses; a key on its way before that still counts as
+    on its way (as in vLLM: with no complete hit the lookup then defers). RETRY counts as on its
+    way.
+    """
+    waiting = False
+    for geom in layout.groups:
+        [answer] = _checked(probe, [boundary_key(block_hashes, boundary, geom)])
+        if answer is Presence.MISS:
+            return False, waiting, False
+        waiting |= answer is not Presence.HIT
+    return not waiting, waiting, waiting

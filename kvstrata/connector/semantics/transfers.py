@@ -1,4 +1,5 @@
-"""What moves between GPU blocks and chunks: loads (R22, R35) and Mamba boundary stores (§3.8 B)."""
+"""What moves between GPU blocks and chunks: loads (R22, R35), Mamba boundary and partial-tail
+stores (§3.8 B, C)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def plan_load(
     block_ids: Mapping[int, Sequence[int]],
     keys: Mapping[int, Sequence[bytes]],
     load_start_block: Mapping[int, int] | None = None,
+    tail_keys: Mapping[int, bytes] | None = None,
 ) -> list[ChunkTransfer]:
     """Chunks to load for a hit of ``hit_tokens`` beyond ``local_computed`` (R22, R35).
 
@@ -69,6 +71,9 @@ def plan_load(
     optionally overrides where the group's fresh blocks start (the adapter may know better, e.g.
     from block hashes); by default ``first_fresh_block``. Every block from the load start up to the
     hit's end must be a real block. Result: group order of ``layout.groups``, then chunk order.
+
+    ``tail_keys[g]``: for a hit ending at a partial-tail boundary (``partial_tail_hit``), group
+    ``g``'s boundary key, which replaces the key of the chunk holding the boundary (R35).
     """
     if local_computed < 0 or hit_tokens <= 0:
         raise ValueError(f"nothing to load: local {local_computed}, hit {hit_tokens}")
@@ -85,7 +90,13 @@ def plan_load(
             start = load_start_block[geom.index]
         else:
             start = first_fresh_block(blocks[:num_blocks], local_computed, geom)
-        transfers.extend(_group_load(geom, blocks, keys[geom.index], start, num_blocks))
+        group_keys = list(keys[geom.index])
+        if tail_keys is not None:
+            if cached % geom.tokens_per_chunk == 0:
+                raise ValueError(f"a partial-tail load ends on a chunk boundary ({cached})")
+            tail_chunk = cached // geom.tokens_per_chunk
+            group_keys = [*group_keys[:tail_chunk], tail_keys[geom.index]]
+        transfers.extend(_group_load(geom, blocks, group_keys, start, num_blocks))
     return transfers
 
 
@@ -141,4 +152,53 @@ def plan_boundary_stores(
                 first_block_in_chunk=block % geom.blocks_per_chunk,
             )
         )
+    return out
+
+
+def plan_partial_tail_stores(
+    layout: Layout,
+    offers: Sequence[tuple[int, int, int]],
+    *,
+    block_ids: Mapping[int, Sequence[int]],
+    block_hashes: Sequence[bytes],
+    max_boundary: int,
+) -> list[list[ChunkTransfer]]:
+    """Partial-tail stores from one request's hand-offs (§3.8 C, R7 layouts only).
+
+    The scheduler hands off an align-mode Mamba state at a boundary inside a block (the replay
+    boundary or a shared-prefix junction) as ``(group, cow_block_id, boundary)``. Every group is
+    then stored at that boundary under its boundary key (R13): the Mamba groups from the offered
+    copy-on-write block, the other groups from the request's block holding the boundary, whose
+    leading positions are the tokens before it. One list of transfers per boundary, to be offered
+    to the store together (a boundary is servable only when every group has it).
+
+    Skipped: block-aligned offers (``plan_boundary_stores`` takes those), boundaries off the hash
+    grid or past ``max_boundary`` (the prompt, or the request's ``max_offload_tokens``), a Mamba
+    group without an offer, a group whose block is not allocated yet or is null.
+    """
+    if not layout.supports_partial_tail:
+        return []
+    tpb = layout.groups[0].tokens_per_block
+    by_boundary: dict[int, dict[int, int]] = {}
+    for group, block_id, boundary in offers:
+        if boundary % tpb:
+            by_boundary.setdefault(boundary, {})[group] = block_id
+    out = []
+    for boundary, cow_blocks in sorted(by_boundary.items()):
+        if boundary <= 0 or boundary % layout.tokens_per_hash or boundary > max_boundary:
+            continue
+        block = boundary // tpb
+        transfers = []
+        for geom in layout.groups:
+            if geom.is_align_mamba:
+                block_id = cow_blocks.get(geom.index, 0)
+            else:
+                ids = block_ids.get(geom.index, ())
+                block_id = ids[block] if block < len(ids) else 0
+            if block_id == 0:
+                break
+            key = boundary_key(block_hashes, boundary, geom)
+            transfers.append(ChunkTransfer(geom.index, block, key, (block_id,), 0))
+        else:
+            out.append(transfers)
     return out
