@@ -171,6 +171,8 @@ class StrataScheduler:
             probe=probe,
             max_new_tokens=max_num_new_tokens,
             max_load_tokens=st.max_load_tokens,
+            keys={g: gs.keys for g, gs in st.groups.items()},
+            being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
         )
         self.stats.lookups += 1
         if hit is None:

@@ -395,7 +395,7 @@ class _StoredCheck:
         )
         hit, _ = semantics.partial_tail_hit(
             layout, complete_hit=hit, num_prompt_tokens=len(ids), local_computed=0,
-            block_hashes=keys.hashes, probe=probe,
+            block_hashes=keys.hashes, probe=probe, keys=keys.chunks,
         )
         return hit or 0
 

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,17 @@ def _prompts() -> list[list[int]]:
     return [a, b, c]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("warmup")
-    model = models.make_tiny_llama(root / "model")
+def _make_setup(root: Path, make_model: Callable[[Path], Path]) -> dict[str, Any]:
+    """A model, the prompts as a JSONL corpus (blank lines between them) and a store path."""
+    model = make_model(root / "model")
     corpus = root / "prompts.jsonl"
     corpus.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n\n" for p in _prompts()))
     return {"root": root, "model": model, "corpus": corpus, "store": root / "store"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _make_setup(tmp_path_factory.mktemp("warmup"), models.make_tiny_llama)
 
 
 def _warmup(setup: dict[str, Any], *extra: str) -> dict[str, Any]:
@@ -108,11 +113,7 @@ HYBRID_ENGINE = {"max_num_batched_tokens": 384, "max_num_seqs": 1,
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("warmup-hybrid")
-    model = models.make_tiny_qwen3_next(root / "model")
-    corpus = root / "prompts.jsonl"
-    corpus.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in _prompts()))
-    return {"root": root, "model": model, "corpus": corpus, "store": root / "store"}
+    return _make_setup(tmp_path_factory.mktemp("warmup-hybrid"), models.make_tiny_qwen3_next)
 
 
 @pytest.mark.slow

@@ -78,6 +78,9 @@ class G:
     window: int = 0
     eagle: bool = False
     layers: int = 2
+    # Mamba: a kernel that saves the prompt's checkpoint state inside the forward (vLLM's Mamba2
+    # layers), at this token granularity: the scheduler then does not split the prefill there.
+    checkpoint_alignment: int | None = None
 
 
 def kv_cache_config(groups: list[G], num_blocks: int) -> KVCacheConfig:
@@ -92,7 +95,9 @@ def kv_cache_config(groups: list[G], num_blocks: int) -> KVCacheConfig:
         else:
             attn_page = 2 * HEADS * g.block_size * 2 * HEAD  # fp16 K+V, same as the attention pages
             spec = MambaSpec(block_size=g.block_size, shapes=((4, 8),), dtypes=(torch.float32,),
-                             page_size_padded=attn_page, mamba_cache_mode="align")
+                             page_size_padded=attn_page, mamba_cache_mode="align",
+                             num_prefill_checkpoint_blocks=int(g.checkpoint_alignment is not None),
+                             prefill_checkpoint_alignment=g.checkpoint_alignment)
         specs.append(KVCacheGroupSpec(names, spec, is_eagle_group=g.eagle))
     # As vLLM's hybrid allocator lays it out (layer-outer): one tensor per group, the group's layers
     # back to back, and every group aliasing the same bytes from offset 0.
@@ -332,8 +337,13 @@ class Runner:
         ends = [(b + 1) * bs for b in range(start // bs, end // bs)]
         if end % bs:
             ends.append(end)  # the running state, in the block the step ends in
-        for state_end in ends:
-            b = -(-state_end // bs) - 1
+        blocks = {e: -(-e // bs) - 1 for e in ends}
+        # A checkpoint the kernel saves inside the forward, in the block the manager reserved.
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[g]
+        checkpoint = getattr(manager, "_checkpoints", {}).get(req.request_id)
+        if checkpoint is not None and start < checkpoint[0] <= end:
+            blocks[checkpoint[0]] = checkpoint[1]
+        for state_end, b in blocks.items():
             if b >= len(ids) or ids[b] == 0:
                 continue
             h = self._block_hash_at(req, state_end) if state_end % self.hash_block == 0 else None

@@ -297,3 +297,20 @@ def test_partial_tail_served_from_disk_after_restart(runners, tmp_path: Path) ->
     assert second.load_errors == []
     assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] > 0
 
+
+
+def test_partial_tail_from_a_kernel_checkpoint(runners, tmp_path: Path) -> None:
+    """A kernel that saves the checkpoint inside the forward (vLLM's Mamba2 layers) does not
+    split a one-chunk prefill: the only Mamba state handed off is the one at the tail (28), none
+    at the block boundary (16). vLLM's lookup, which looks for tails only above a complete hit of
+    every group, serves nothing; kvstrata serves the attention prefix and the tail, also from
+    disk after a restart."""
+    store = tmp_path / "persist"
+    groups = [G("full", 16), G("mamba", 16, checkpoint_alignment=4)]
+    r = runners(groups, store=store, prefix_match_unit=4)
+    assert r.scheduler.mamba_has_prefill_checkpoint_blocks
+    assert _store_then_serve(r, _prompt(30), max_tokens=1) == 28
+    r.close()
+    again = runners(groups, store=store, prefix_match_unit=4)
+    assert again.serve(_prompt(30), 1) == 28
+    assert again.load_errors == []

@@ -299,6 +299,12 @@ def _seed_partial_tails(rng: random.Random, case: LookupCase, pending_rate: floa
     inside = [b for b in range(tph, case.num_tokens, tph) if b % tpb]
     if rng.random() < 0.5:
         pending_rate = max(pending_rate, 0.2)  # tails still on their way: kvstrata waits (R30)
+    if rng.random() < 0.3:
+        # A kernel that exports the checkpoint inside the forward (Mamba2): a one-chunk prefill
+        # hands off the state at the tail only, none at block boundaries.
+        for g in layout.groups:
+            if g.kind is GroupKind.MAMBA:
+                case.ready.difference_update(case.keys()[g.index])
     chosen = rng.sample(inside, k=min(len(inside), rng.randint(0, 5)))
     replay = round_down(case.num_tokens - 1, tph)
     if replay in inside and rng.random() < 0.6:
@@ -338,8 +344,11 @@ def kvstrata_lookup(case: LookupCase) -> int | None:
     return kvstrata_lookup_with_tail(case)[0]
 
 
-def kvstrata_lookup_with_tail(case: LookupCase) -> tuple[int | None, int | None]:
-    """(hit, partial-tail boundary) as the adapter computes them."""
+def kvstrata_lookup_with_tail(
+    case: LookupCase, *, vllm_parity: bool = True
+) -> tuple[int | None, int | None]:
+    """(hit, partial-tail boundary) as the adapter computes them; ``vllm_parity`` searches tails
+    only above every group's complete hit, as vLLM does."""
 
     def probe(keys):
         return [
@@ -372,6 +381,8 @@ def kvstrata_lookup_with_tail(case: LookupCase) -> tuple[int | None, int | None]
         probe=probe,
         max_new_tokens=case.max_new,
         max_load_tokens=case.max_load,
+        keys=None if vllm_parity else case.keys(),
+        being_loaded=case.loading.__contains__,
     )
 
 
@@ -426,15 +437,16 @@ def _fake_allocation(layout: Layout, local: int, cached: int, rng: random.Random
     return blocks
 
 
-def awaited_tail(case: LookupCase, complete_hit: int) -> bool:
-    """Whether a boundary above ``complete_hit`` has every group's key stored, some still
-    pending (kvstrata then defers, R30), and vLLM's answer is that complete hit."""
+def awaited_tail(case: LookupCase, complete_hit: int, prefix_end: int | None = None) -> bool:
+    """Whether a boundary above ``complete_hit``, inside the block after ``prefix_end`` (default:
+    the complete hit's end) or below, has every group's key stored, some still pending (kvstrata
+    then defers, R30)."""
     layout = case.layout
     if not layout.supports_partial_tail:
         return False
     tph, tpb = layout.tokens_per_hash, layout.groups[0].tokens_per_block
     end = case.local + complete_hit
-    top = min(case.num_tokens - 1, end + tpb - 1)
+    top = min(case.num_tokens - 1, (end if prefix_end is None else prefix_end) + tpb - 1)
     for cap in (case.max_new, case.max_load):
         if cap is not None:
             top = min(top, case.local + cap)
@@ -444,6 +456,91 @@ def awaited_tail(case: LookupCase, complete_hit: int) -> bool:
         if present and not all(k in case.ready and k not in case.retry for k in keys):
             return True
     return False
+
+
+def _fa_prefix_end(case: LookupCase, start: int) -> int:
+    """End of the full-attention groups' stored prefix from ``start`` (their chunk keys ready)."""
+    end = case.num_tokens
+    for g in case.layout.groups:
+        if g.kind is GroupKind.FULL:
+            keys = case.keys()[g.index]
+            n = start // g.tokens_per_chunk
+            while n < len(keys) and keys[n] in case.ready and keys[n] not in case.retry:
+                n += 1
+            end = min(end, n * g.tokens_per_chunk)
+    return max(end, start)
+
+
+def _tail_on_its_way(case: LookupCase, complete_hit: int) -> bool:
+    """A boundary past ``complete_hit``, within a block of the full-attention prefix counting
+    keys on their way, whose boundary keys are all stored or on their way, and some of them or of
+    the prefix chunks below it are on their way."""
+    layout = case.layout
+    tph, tpb = layout.tokens_per_hash, layout.groups[0].tokens_per_block
+    known = case.ready | case.pending | case.retry
+    settled = {k for k in case.ready if k not in case.pending and k not in case.retry}
+    end = case.local + complete_hit
+    fa = [g for g in layout.groups if g.kind is GroupKind.FULL]
+
+    def prefix(keys_ok: set[bytes]) -> int:
+        stop = case.num_tokens
+        for g in fa:
+            keys, n = case.keys()[g.index], end // tpb
+            while n < len(keys) and keys[n] in keys_ok:
+                n += 1
+            stop = min(stop, n * tpb)
+        return max(stop, end)
+
+    top = min(case.num_tokens - 1, prefix(known) + tpb - 1)
+    for cap in (case.max_new, case.max_load):
+        if cap is not None:
+            top = min(top, case.local + cap)
+    for b in range(round_down(top, tph), end, -tph):
+        keys = [boundary_key(case.hashes, b, g) for g in layout.groups]
+        if all(k in known for k in keys) and (
+            not all(k in settled for k in keys) or b // tpb * tpb > prefix(settled)
+        ):
+            return True
+    return False
+
+
+def check_tail_beyond_complete_hit(
+    case: LookupCase, vllm_hit: int | None, max_new: int | None
+) -> str:
+    """kvstrata's tail search past the full-attention prefix (``keys``), against vLLM's answer
+    for the same case with a Mamba state stored at every block boundary below the tail: what a
+    scheduler that splits the prefill there would have handed off. Returns an outcome label."""
+    served, boundary = kvstrata_lookup_with_tail(case, vllm_parity=False)
+    parity, _ = kvstrata_lookup_with_tail(case)
+    if served == parity:
+        return "tail_same"
+    context = f"{case}: vLLM {vllm_hit}, parity {parity}, extended {served}"
+    assert case.layout.supports_partial_tail, context
+    prefix_end = _fa_prefix_end(case, case.local + (vllm_hit or 0))
+    tpb = case.layout.groups[0].tokens_per_block
+    added = {
+        k
+        for g in case.layout.groups
+        if g.kind is GroupKind.MAMBA
+        for k in case.keys()[g.index][: prefix_end // tpb]
+    }
+    augmented = LookupCase(
+        **{**case.__dict__, "ready": case.ready | added, "pending": case.pending - added}
+    )
+    vllm_augmented, *_ = vllm_lookup(augmented, max_new=max_new, with_loading=True)
+    if served is None:
+        # Waiting for a boundary whose keys (or the prefix below it) are on their way, or for a
+        # chunk another request loads.
+        assert vllm_hit is not None, context
+        assert _tail_on_its_way(case, vllm_hit) or vllm_augmented is None, context
+        return "tail_deferred_beyond"
+    # More than vLLM serves (or a tail where vLLM waits for lower ones still promoting), from
+    # keys that are all stored, and never more than vLLM serves with those Mamba states.
+    assert vllm_hit is None or served > vllm_hit, context
+    end = case.local + served
+    assert all(boundary_key(case.hashes, end, g) in case.ready for g in case.layout.groups), context
+    assert vllm_augmented is None or served <= vllm_augmented, context
+    return "tail_beyond_complete_hit"
 
 
 def check_load_plan(
@@ -505,6 +602,7 @@ def test_lookup_matches_vllm_except_mamba_rounding() -> None:
         vllm_boundary = sched._req_status[request.request_id].partial_tail_boundary
         assert boundary == vllm_boundary, context
         outcomes["partial_tail"] += boundary is not None
+        outcomes[check_tail_beyond_complete_hit(case, expected, max_new)] += 1
         if rounds:
             outcomes["mamba_rounded"] += 1
             mamba_tpc = case.layout.mamba_tokens_per_chunk
@@ -525,7 +623,8 @@ def test_lookup_matches_vllm_except_mamba_rounding() -> None:
     assert outcomes["hit"] > NUM_LOOKUP_CASES // 4
     assert outcomes["zero"] > 50 and outcomes["none"] > 20
     assert outcomes["mamba_rounded"] >= 10 and rounded_exactly >= 5
-    assert outcomes["partial_tail"] >= 20 and outcomes["tail_awaited"] >= 5
+    assert outcomes["partial_tail"] >= 20 and outcomes["tail_awaited"] >= 2
+    assert outcomes["tail_beyond_complete_hit"] >= 10
     assert len(families) == len(FAMILIES)
 
 

@@ -1203,6 +1203,7 @@ def serve_tail(
     pending: Mapping[int, Iterable[int]] = {},  # noqa: B006
     num_tokens: int = 30,
     calls: list | None = None,
+    beyond: bool = False,
     **caps,
 ) -> tuple[int | None, int | None]:
     """(hit, boundary) when group g holds its boundary keys at ``stored_boundaries[g]`` (chunk
@@ -1225,7 +1226,8 @@ def serve_tail(
     )
     return partial_tail_hit(
         TAIL, complete_hit=complete, num_prompt_tokens=num_tokens, local_computed=local,
-        block_hashes=TAIL_HASHES, probe=probe, **caps,
+        block_hashes=TAIL_HASHES, probe=probe, keys=keys_of(TAIL, TAIL_HASHES) if beyond else None,
+        **caps,
     )
 
 
@@ -1327,3 +1329,18 @@ def test_partial_tail_stores_c():
         Layout((fa(0, 16, 1, 16), mamba(1, 16, 1, 16))), [(1, 99, 28)], block_ids=blocks,
         block_hashes=hashes(30, 16), max_boundary=30,
     ) == []
+
+
+def test_partial_tail_beyond_a_missing_mamba_chunk_state():
+    # A kernel that saves the checkpoint inside the forward hands off the state @28 only, none
+    # @16: vLLM (keys=None) serves nothing; with the chunk keys the tail follows the FA prefix.
+    only_tail = {0: [16, 28], 1: [28]}
+    assert serve_tail(only_tail) == (0, None)
+    assert serve_tail(only_tail, beyond=True) == (28, 28)
+    # The attention prefix must reach the tail's block...
+    assert serve_tail({0: [28], 1: [28]}, beyond=True) == (0, None)
+    # ...and be stored: an FA chunk still promoting is waited for, as the tail keys are.
+    assert serve_tail({0: [28], 1: [28]}, pending={0: [16]}, beyond=True) == (None, None)
+    assert serve_tail({0: [16], 1: [28]}, pending={0: [28]}, beyond=True) == (None, None)
+    # A boundary some group misses is not waited for past vLLM's block.
+    assert serve_tail({0: [16]}, pending={0: [28]}, beyond=True) == (0, None)

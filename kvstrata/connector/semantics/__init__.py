@@ -34,9 +34,14 @@ Lookup (``lookup``)
     until the hit ends on a Mamba boundary (``align_final_to_mamba=False`` reproduces vLLM).
     ``prefix_run`` (R18) and ``window_run`` (R19) are exposed for tests.
     ``partial_tail_hit(layout, *, complete_hit, num_prompt_tokens, local_computed, block_hashes,
-    probe, max_new_tokens=None, max_load_tokens=None) -> (hit | None, boundary | None)``: for
-    ``supports_partial_tail`` layouts, extends a complete hit into the next block at hash
-    granularity where every group holds the boundary key (R7, R30).
+    probe, max_new_tokens=None, max_load_tokens=None, keys=None, being_loaded=None) -> (hit |
+    None, boundary | None)``: for ``supports_partial_tail`` layouts, extends a complete hit into
+    the next block at hash granularity where every group holds the boundary key (R7, R30).
+    **Difference from vLLM (``keys`` given; None reproduces vLLM):** the tail may lie in the block
+    after the full-attention prefix even when the Mamba group has no state at a block boundary
+    below it (a Mamba group needs only the state at the hit's end). Kernels that save the
+    checkpoint inside the forward (vLLM's Mamba2 layers) hand off only the tail's state for a
+    one-chunk prefill; vLLM's lookup serves such prompts nothing.
 
 Loads and boundary stores (``transfers``)
     ``ChunkTransfer(group, chunk_index, key, block_ids, first_block_in_chunk)``.
@@ -70,8 +75,10 @@ the window tail was not kept (served 0); a window with ``W - 1 + extra`` a multi
 looked up with one chunk more than is stored; a Mamba hybrid's hit is rounded below the
 attention-aligned replay boundary, where no window tail was kept.
 
-Partial tails (R7, R30, §3.8 C) follow vLLM 0.32.0, with one difference: a request's
-``max_offload_tokens`` of 0 stores no partial tail (vLLM reads 0 as "no cap" there).
+Partial tails (R7, R30, §3.8 C) follow vLLM 0.32.0, with three differences: the tail past a
+missing Mamba block state (above); a tail every group holds but some still promote from disk is
+waited for (vLLM serves the complete hit alone); a request's ``max_offload_tokens`` of 0 stores
+no partial tail (vLLM reads 0 as "no cap" there).
 """
 
 from kvstrata.connector.semantics.geometry import (

@@ -282,6 +282,8 @@ def partial_tail_hit(
     probe: Probe,
     max_new_tokens: int | None = None,
     max_load_tokens: int | None = None,
+    keys: Mapping[int, Sequence[bytes]] | None = None,
+    being_loaded: Callable[[bytes], bool] | None = None,
 ) -> tuple[int | None, int | None]:
     """Extend a complete-chunk hit into the next block at hash granularity (R7, R30).
 
@@ -300,28 +302,73 @@ def partial_tail_hit(
     and — kvstrata only — when a boundary that every group holds is still on its way into the host
     tier. vLLM then serves the complete hit alone, so after a restart, with every key on disk, it
     would recompute the tail (up to a block) to save the wait for two promotions.
+
+    ``keys`` (kvstrata; None reproduces vLLM): the groups' chunk keys. With them the tail may lie
+    in the block after the full-attention groups' own complete prefix, even when no Mamba state
+    is stored at a block boundary below it: a Mamba group needs only the state at the hit's end.
+    Backends that export the checkpoint from inside the forward (vLLM's Mamba2 layers) do not
+    split a one-chunk prefill, so they hand off the state at the tail alone; vLLM's lookup,
+    which searches tails only above a complete hit of every group, serves such prompts nothing.
+    Past the complete hit, a chunk being loaded for another request defers (as R17.5 does below).
     """
     if complete_hit is None or not layout.supports_partial_tail:
         return complete_hit, None
     complete_end = local_computed + complete_hit
     tph = layout.tokens_per_hash
-    block_end = complete_end + layout.groups[0].tokens_per_block
-    max_boundary = min(num_prompt_tokens - 1, block_end - 1)
+    limit = num_prompt_tokens - 1
     if max_new_tokens is not None:
-        max_boundary = min(max_boundary, local_computed + max_new_tokens)
+        limit = min(limit, local_computed + max_new_tokens)
     if max_load_tokens is not None:
-        max_boundary = min(max_boundary, local_computed + max_load_tokens)
-    max_boundary = round_down(max_boundary, tph)
+        limit = min(limit, local_computed + max_load_tokens)
+    # Where the full-attention prefix ends: stored (ready), or once the keys on their way land.
+    ready_end = reachable_end = complete_end
+    if keys is not None:
+        ready_end, reachable_end = _attention_prefix_ends(layout, keys, complete_end, limit, probe)
+    tpb = layout.groups[0].tokens_per_block
+    max_boundary = round_down(min(limit, reachable_end + tpb - 1), tph)
     pending = awaited = False
     for boundary in range(max_boundary, complete_end, -tph):
         servable, waiting, whole = _boundary_presence(layout, block_hashes, boundary, probe)
-        if servable:
-            return boundary - local_computed, boundary
-        pending |= waiting
-        awaited |= whole
+        # vLLM's rule (no complete hit: any key on its way defers) covers the block after the
+        # complete hit; further up only a boundary every group holds or is getting is awaited.
+        pending |= waiting and boundary < complete_end + tpb
+        if not (servable or whole):
+            continue
+        if servable and boundary // tpb * tpb <= ready_end:
+            if keys is not None and being_loaded is not None and _hit_chunk_being_loaded(
+                layout, keys, complete_end, boundary // tpb * tpb, being_loaded
+            ):
+                return None, None  # the chunks up to the tail's block: as R17.5
+            # Past the complete hit (``keys``), a block-aligned boundary is an ordinary chunk end.
+            return boundary - local_computed, boundary if boundary % tpb else None
+        awaited = True  # every key is there or on its way (boundary keys or the prefix below)
     if pending and complete_hit == 0 or awaited:
         return None, None
     return complete_hit, None
+
+
+def _attention_prefix_ends(
+    layout: Layout,
+    keys: Mapping[int, Sequence[bytes]],
+    complete_end: int,
+    limit: int,
+    probe: Probe,
+) -> tuple[int, int]:
+    """How far every full-attention group's prefix runs past ``complete_end`` (chunks ending at
+    or below ``limit``): (stored, stored or on its way)."""
+    ready = reachable = limit
+    for geom in layout.groups:
+        if geom.is_windowed:
+            continue  # the Mamba group: it needs only the state at the boundary
+        tpc = geom.tokens_per_chunk
+        start = complete_end // tpc
+        group_keys = keys[geom.index][start : limit // tpc]
+        answers = _checked(probe, group_keys) if group_keys else []
+        hits = next((i for i, a in enumerate(answers) if a is not Presence.HIT), len(answers))
+        present = next((i for i, a in enumerate(answers) if a is Presence.MISS), len(answers))
+        ready = min(ready, (start + hits) * tpc)
+        reachable = min(reachable, (start + present) * tpc)
+    return max(ready, complete_end), max(reachable, complete_end)
 
 
 def _boundary_presence(
