@@ -31,10 +31,14 @@ from typing import Any
 
 from kvstrata.connector.config import parse_size
 from kvstrata.tools.engine import EngineOptions, JobError, store_summary
-from kvstrata.tools.models import ModelPrepError, default_model_cache, prepare_smollm2
+from kvstrata.tools.models import (
+    ModelPrepError,
+    check_smollm2_prompt,
+    default_model_cache,
+    prepare_smollm2,
+)
 
 DEFAULT_PROMPT_TOKENS = 4096
-SMOLLM2_CONTEXT = 8192
 GOALS = {"disk_vs_cold": 0.25, "disk_vs_host": 1.5}
 GOAL_MIN_PROMPT_TOKENS = 4096
 _TIMINGS = ("cold_ttft_s", "host_ttft_s", "disk_ttft_s")
@@ -182,10 +186,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise CLIError("give one --prompt-tokens (several lengths only with --vs-vllm-fs)")
     args.prompt_tokens = lengths[0]
     args.repeat = 1 if args.repeat is None else args.repeat
-    limit = SMOLLM2_CONTEXT - args.max_tokens
-    if not 64 <= args.prompt_tokens <= limit:
-        raise CLIError(f"--prompt-tokens must be between 64 and {limit} (SmolLM2's "
-                       f"{SMOLLM2_CONTEXT}-token context minus --max-tokens)")
+    try:
+        check_smollm2_prompt(args.prompt_tokens, args.max_tokens)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if args.repeat < 1:
         raise CLIError("--repeat must be at least 1")
 

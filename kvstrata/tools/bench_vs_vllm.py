@@ -35,7 +35,6 @@ from typing import Any
 from kvstrata.connector.config import parse_size
 from kvstrata.tools import ttft
 from kvstrata.tools.bench_e2e import (
-    SMOLLM2_CONTEXT,
     Contender,
     kvstrata_contender,
     measure_contender,
@@ -43,7 +42,7 @@ from kvstrata.tools.bench_e2e import (
     stores_parent,
 )
 from kvstrata.tools.engine import EngineOptions, JobError, run_job_subprocess
-from kvstrata.tools.models import default_model_cache
+from kvstrata.tools.models import SMOLLM2_CONTEXT, default_model_cache
 
 DEFAULT_PROMPT_TOKENS = (2048, 4096, 8192)
 DEFAULT_REPEATS = 3

