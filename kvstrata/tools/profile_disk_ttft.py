@@ -9,6 +9,10 @@ functions. Each wrapped function reports calls, busy seconds (summed over thread
 the first token. Python-level wrappers add a few microseconds per call; the per-block functions
 are called at most a few thousand times, so the overhead stays in the low milliseconds.
 
+With vLLM's multiprocess engine (the benchmark's default) the scheduler, the connector and the
+model run in the engine-core process, which vLLM spawns: it imports this module as its main
+module, installs the same wrappers there and hands its events back in a file when it shuts down.
+
 ``python -m kvstrata.tools.profile_disk_ttft --system vllm_fs --prompt-tokens 8192``
 """
 
@@ -83,6 +87,10 @@ SYSTEM_TARGETS = {
 _MODULE = "kvstrata.tools.profile_disk_ttft"
 _ARRIVAL = "Scheduler.add_request"
 _FORWARD = "CPUModelRunner.execute_model"
+# Set by the profiling child for the engine-core process vLLM spawns: where to leave its events,
+# and what to wrap there.
+_EVENTS_DIR_ENV = "KVSTRATA_PROFILE_EVENTS_DIR"
+_TARGETS_ENV = "KVSTRATA_PROFILE_TARGETS"
 
 _events: list[tuple[str, float, float, int]] = []  # (target, start, end, scheduled tokens or -1)
 _events_lock = threading.Lock()
@@ -141,6 +149,58 @@ def install(targets: tuple[str, ...]) -> list[str]:
     return done
 
 
+def _dump_events(out_dir: Path) -> None:
+    """This process's events and fault counters, for the profiling child to merge."""
+    with _events_lock:
+        events = list(_events)
+    if not events:
+        return
+    majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - _majflt_at_arrival[0]
+    read = _read_bytes() - _read_at_arrival[0]
+    tmp = out_dir / f".{os.getpid()}.json"
+    tmp.write_text(json.dumps({"events": events, "major_faults": majflt,
+                               "storage_read_bytes": read}))
+    tmp.rename(out_dir / f"{os.getpid()}.json")
+
+
+def _install_in_engine_core() -> None:
+    """In the engine-core process: wrap the targets, and dump the events when it shuts down
+    (``EngineCore.shutdown`` runs on vLLM's clean exit; atexit covers the rest)."""
+    import atexit
+
+    out_dir = Path(os.environ[_EVENTS_DIR_ENV])
+    install(tuple(json.loads(os.environ[_TARGETS_ENV])))
+    dumped = [False]
+
+    def dump_once() -> None:
+        if not dumped[0]:
+            dumped[0] = True
+            _dump_events(out_dir)
+
+    from vllm.v1.engine.core import EngineCore
+
+    shutdown = EngineCore.shutdown
+
+    def shutdown_and_dump(self: Any, *args: Any, **kwargs: Any) -> Any:
+        dump_once()
+        return shutdown(self, *args, **kwargs)
+
+    EngineCore.shutdown = shutdown_and_dump  # type: ignore[method-assign]
+    atexit.register(dump_once)
+
+
+def _merge_engine_core_events(out_dir: Path) -> dict[str, int]:
+    """Add the engine-core process's events to this process's; its fault counters."""
+    totals = {"major_faults": 0, "storage_read_bytes": 0}
+    for path in sorted(out_dir.glob("[0-9]*.json")):
+        data = json.loads(path.read_text())
+        with _events_lock:
+            _events.extend(tuple(e) for e in data["events"])
+        for k in totals:
+            totals[k] += int(data[k])
+    return totals
+
+
 def summarise(ttft_s: float) -> dict[str, Any]:
     """Per target, the calls that started between the request's arrival and its first token."""
     with _events_lock:
@@ -176,18 +236,30 @@ def summarise(ttft_s: float) -> dict[str, Any]:
 
 def _child(job_file: Path, out_file: Path) -> int:
     job = json.loads(job_file.read_text())
-    # In-process engine (as run_job builds it), set before the wrapped modules import vLLM.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    installed = install(COMMON_TARGETS + SYSTEM_TARGETS[job["system"]])
-    result = run_job(job)
+    targets = COMMON_TARGETS + SYSTEM_TARGETS[job["system"]]
+    multiprocess = bool(job["engine"].get("multiprocess"))
+    # As run_job will set it, before the wrapped modules import vLLM.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    installed = install(targets)
+    with tempfile.TemporaryDirectory(prefix="kvstrata-profile-events-") as events_dir:
+        os.environ[_EVENTS_DIR_ENV] = events_dir
+        os.environ[_TARGETS_ENV] = json.dumps(targets)
+        result = run_job(job)  # shuts the engine down: the engine core has left its events
+        engine_core = _merge_engine_core_events(Path(events_dir))
+    if multiprocess and not any(e[0] == _ARRIVAL for e in _events):
+        raise RuntimeError("the engine-core process left no profile events")
     # Pages read from disk by faults since the request arrived (code or data the page-cache drop
-    # evicted), up to the end of the request: a restart cost that is not the KV tier's.
+    # evicted), up to the end of the request: a restart cost that is not the KV tier's. With the
+    # multiprocess engine, the engine core's arrival marks the start of both processes' counts.
     majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - _majflt_at_arrival[0]
     read = _read_bytes() - _read_at_arrival[0]
+    if multiprocess:
+        majflt, read = engine_core["major_faults"], engine_core["storage_read_bytes"]
     step = next(s for s in result["steps"] if s.get("name") == "disk")
     ttft_s = float(step["outputs"][0]["ttft_s"])
     out_file.write_text(json.dumps({
-        "ttft_s": ttft_s, "cached_tokens": step["outputs"][0]["num_cached_tokens"],
+        "ttft_s": ttft_s, "multiprocess": multiprocess,
+        "cached_tokens": step["outputs"][0]["num_cached_tokens"],
         "page_cache_dropped": any(s["op"] == "drop_page_cache" and s.get("ok")
                                   for s in result["steps"]),
         "major_faults": majflt, "storage_read_bytes": read, "token_ids": step["outputs"][0]["token_ids"],
@@ -253,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out, indent=2))
     return 0
 
+
+if __name__ == "__mp_main__" and os.environ.get(_EVENTS_DIR_ENV):
+    # vLLM spawned its engine-core process from the profiling child: this is that process.
+    _install_in_engine_core()
 
 if __name__ == "__main__":
     sys.exit(main())
