@@ -1344,3 +1344,29 @@ def test_partial_tail_beyond_a_missing_mamba_chunk_state():
     assert serve_tail({0: [16], 1: [28]}, pending={0: [28]}, beyond=True) == (None, None)
     # A boundary some group misses is not waited for past vLLM's block.
     assert serve_tail({0: [16]}, pending={0: [28]}, beyond=True) == (0, None)
+
+
+def test_partial_tail_beyond_probes_mamba_states_in_one_batch():
+    # A 400-token prompt whose FA chunks are all stored but whose only Mamba state is at 100
+    # (an earlier, shorter prompt's tail): the search past vLLM's block asks for the Mamba states
+    # at once, then looks group by group only at the boundaries that have one.
+    hashes_400 = hashes(400, 4)
+    keys = keys_of(TAIL, hashes_400)
+    fa_g, mamba_g = TAIL.groups
+    stored = set(keys[0]) | {boundary_key(hashes_400, 100, g) for g in (fa_g, mamba_g)}
+    calls: list = []
+
+    def probe(batch):
+        calls.append(list(batch))
+        return [HIT if k in stored else MISS for k in batch]
+
+    complete = lookup_hit(TAIL, num_tokens=400, local_computed=0, keys=keys, probe=probe)
+    assert complete == 0  # no Mamba state at a block boundary
+    calls.clear()
+    assert partial_tail_hit(
+        TAIL, complete_hit=complete, num_prompt_tokens=400, local_computed=0,
+        block_hashes=hashes_400, probe=probe, keys=keys,
+    ) == (100, 100)
+    # The FA prefix, the Mamba states past the first block, then both keys @100: not one probe
+    # per boundary from 396 down (74 of them).
+    assert len(calls) == 4, calls

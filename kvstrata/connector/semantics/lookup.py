@@ -326,8 +326,15 @@ def partial_tail_hit(
         ready_end, reachable_end = _attention_prefix_ends(layout, keys, complete_end, limit, probe)
     tpb = layout.groups[0].tokens_per_block
     max_boundary = round_down(min(limit, reachable_end + tpb - 1), tph)
+    # Past vLLM's block, Mamba states are rare (tails, junctions): ask for them all at once and
+    # look at the other groups only where every Mamba group has one. A long attention prefix
+    # then costs one batched probe, not one probe per hash boundary.
+    beyond = range(max_boundary, complete_end + tpb - 1, -tph)
+    no_state = _boundaries_without_state(layout, block_hashes, beyond, probe) if beyond else set()
     pending = awaited = False
     for boundary in range(max_boundary, complete_end, -tph):
+        if boundary in no_state:
+            continue
         servable, waiting, whole = _boundary_presence(layout, block_hashes, boundary, probe)
         # vLLM's rule (no complete hit: any key on its way defers) covers the block after the
         # complete hit; further up only a boundary every group holds or is getting is awaited.
@@ -369,6 +376,18 @@ def _attention_prefix_ends(
         ready = min(ready, (start + hits) * tpc)
         reachable = min(reachable, (start + present) * tpc)
     return max(ready, complete_end), max(reachable, complete_end)
+
+
+def _boundaries_without_state(
+    layout: Layout, block_hashes: Sequence[bytes], boundaries: range, probe: Probe
+) -> set[int]:
+    """The boundaries where some align-mode Mamba group has no state (one probe per group)."""
+    missing: set[int] = set()
+    for geom in layout.groups:
+        if geom.is_align_mamba:
+            answers = _checked(probe, [boundary_key(block_hashes, b, geom) for b in boundaries])
+            missing.update(b for b, a in zip(boundaries, answers, strict=True) if a is Presence.MISS)
+    return missing
 
 
 def _boundary_presence(
