@@ -42,6 +42,8 @@ def check_smollm2_prompt(prompt_tokens: int, max_tokens: int) -> None:
     if not MIN_PROMPT_TOKENS <= prompt_tokens <= limit:
         raise ValueError(f"--prompt-tokens must be between {MIN_PROMPT_TOKENS} and {limit} "
                          f"(SmolLM2's {SMOLLM2_CONTEXT}-token context minus --max-tokens)")
+
+
 _STAMP = "kvstrata-model.json"
 
 Progress = Callable[[str], None]
