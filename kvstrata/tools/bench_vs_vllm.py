@@ -42,7 +42,12 @@ from kvstrata.tools.bench_e2e import (
     stores_parent,
 )
 from kvstrata.tools.engine import EngineOptions, JobError, run_job_subprocess
-from kvstrata.tools.models import SMOLLM2_CONTEXT, default_model_cache
+from kvstrata.tools.models import (
+    MIN_PROMPT_TOKENS,
+    SMOLLM2_CONTEXT,
+    default_model_cache,
+    smollm2_prompt_limit,
+)
 
 DEFAULT_PROMPT_TOKENS = (2048, 4096, 8192)
 DEFAULT_REPEATS = 3
@@ -167,9 +172,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = list(DEFAULT_PROMPT_TOKENS) if given is None else (
         list(given) if isinstance(given, list) else [given])
     repeats = DEFAULT_REPEATS if args.repeat is None else int(args.repeat)
-    limit = MAX_MODEL_LEN - args.max_tokens
-    if repeats < 1 or any(n < 64 for n in lengths):
-        raise CLIError("--repeats must be >= 1 and every --prompt-tokens >= 64")
+    limit = smollm2_prompt_limit(args.max_tokens)
+    if repeats < 1 or any(n < MIN_PROMPT_TOKENS for n in lengths):
+        raise CLIError(f"--repeats must be >= 1 and every --prompt-tokens >= {MIN_PROMPT_TOKENS}")
 
     def say(msg: str) -> None:
         print(f"bench e2e --vs-vllm-fs: {msg}", file=sys.stderr, flush=True)

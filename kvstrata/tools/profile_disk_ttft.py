@@ -270,13 +270,13 @@ def _child(job_file: Path, out_file: Path) -> int:
 def profile(system: str, args: argparse.Namespace, store: Path) -> dict[str, Any]:
     """Store the prompt in one process, then profile its disk-served first token in another."""
     from kvstrata.tools.bench_e2e import kvstrata_contender
-    from kvstrata.tools.bench_vs_vllm import MAX_MODEL_LEN, vllm_fs_contender
+    from kvstrata.tools.bench_vs_vllm import vllm_fs_contender
     from kvstrata.tools.corpus import chat_prompt
-    from kvstrata.tools.models import prepare_smollm2
+    from kvstrata.tools.models import prepare_smollm2, smollm2_prompt_limit
     from kvstrata.tools.ttft import BYPASS_KVSTRATA
 
     model = prepare_smollm2(args.model_cache)
-    n = min(args.prompt_tokens, MAX_MODEL_LEN - args.max_tokens)
+    n = min(args.prompt_tokens, smollm2_prompt_limit(args.max_tokens))
     at_n = argparse.Namespace(**{**vars(args), "prompt_tokens": n})
     contender = (kvstrata_contender if system == "kvstrata" else vllm_fs_contender)(model, at_n)
     opts = asdict(contender.options(store))
