@@ -60,6 +60,11 @@ class _RequestState:
     awaiting: list[bytes] = field(default_factory=list)
     # Where the last lookup's hit ends inside a block (a partial tail, R30), for the load plan.
     partial_boundary: int | None = None
+    # The prompt's tail keys per group (semantics.prompt_tail), hashed once on first use; and
+    # whether the last lookup's hit includes the tail.
+    prompt_tail_keys: dict[int, bytes] | None = None
+    prompt_tail_hashed: bool = False
+    prompt_tail_hit: bool = False
 
 
 @dataclass
@@ -110,6 +115,7 @@ class StrataScheduler:
         self.stats = StrataStats()
         self._tiers_at = 0.0
         self._awaiting: set[str] = set()  # requests whose lookup waits on st.awaiting
+        self._block_hash_fn: Any = None  # vLLM's prefix-caching hash, for prompt-tail keys
 
     # ---------------------------------------------------------------- requests
     def on_new_request(self, request: Request) -> None:
@@ -174,6 +180,20 @@ class StrataScheduler:
             keys={g: gs.keys for g, gs in st.groups.items()},
             being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
         )
+        complete = hit
+        hit = semantics.prompt_tail_hit(
+            self.layout,
+            complete_hit=complete,
+            num_tokens=request.num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            local_computed=num_computed_tokens,
+            tail_keys=self._prompt_tail_keys(st),
+            probe=probe,
+            max_new_tokens=max_num_new_tokens,
+            max_load_tokens=st.max_load_tokens,
+            being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
+        )
+        st.prompt_tail_hit = hit is not None and complete is not None and hit > complete
         self.stats.lookups += 1
         if hit is None:
             self.stats.lookup_deferrals += 1
@@ -236,7 +256,10 @@ class StrataScheduler:
             block_ids[geom.index] = [b.block_id for b in group_blocks[:n_gpu]]
         tail_keys = None
         boundary, st.partial_boundary = st.partial_boundary, None
-        if boundary is not None:
+        tail_start = semantics.prompt_tail_start(self.layout, request.num_prompt_tokens)
+        if st.prompt_tail_hit and tail_start is not None and cached > tail_start:
+            tail_keys = st.prompt_tail_keys
+        elif boundary is not None:
             if boundary != cached:
                 raise RuntimeError(
                     f"request {request.request_id}: vLLM allocated {cached} cached tokens for a "
@@ -274,6 +297,62 @@ class StrataScheduler:
             self._being_loaded.update(keys)
         self.stats.load_jobs += 1
 
+    def _prompt_tail_keys(self, st: _RequestState) -> dict[int, bytes] | None:
+        """Per group, the key of the prompt's partial last chunk: vLLM's block hash of its tokens
+        chained to the prefix, with the same extra keys (LoRA, multimodal, salt, embeddings) a
+        full block there would get. None when the layout or the prompt has no tail."""
+        if st.prompt_tail_hashed:
+            return st.prompt_tail_keys
+        req = st.req
+        start = semantics.prompt_tail_start(self.layout, req.num_prompt_tokens)
+        tph = self.layout.tokens_per_hash
+        if start is None or len(req.block_hashes) < start // tph:
+            st.prompt_tail_hashed = start is None
+            return None
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+        if self._block_hash_fn is None:
+            self._block_hash_fn = get_hash_fn_by_name(self.plan.identity.hash_algo)
+        parent = req.block_hashes[start // tph - 1] if start else None
+        extra, _ = generate_block_hash_extra_keys(req, start, req.num_prompt_tokens, 0)
+        digest = hash_block_tokens(
+            self._block_hash_fn, parent, req.all_token_ids[start : req.num_prompt_tokens], extra
+        )
+        st.prompt_tail_keys = {g.index: semantics.make_key(digest, g.index) for g in self.layout.groups}
+        st.prompt_tail_hashed = True
+        return st.prompt_tail_keys
+
+    def _prompt_tail_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
+        """Store the prompt's tail chunk in the step whose forward completes the prompt."""
+        if not self.layout.serves_prompt_tails:
+            return []
+        jobs: list[TransferJob] = []
+        for req_id, scheduled in so.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            req = st.req
+            transfers = semantics.plan_prompt_tail_store(
+                self.layout,
+                num_prompt_tokens=req.num_prompt_tokens,
+                computed_before=req.num_computed_tokens,
+                computed_after=req.num_computed_tokens + scheduled,
+                block_ids={g: gs.block_ids for g, gs in st.groups.items()},
+                tail_keys=self._prompt_tail_keys(st),
+                max_offload_tokens=st.max_offload_tokens,
+            )
+            if not transfers:
+                continue
+            slots = self.hierarchy.prepare_store([t.key for t in transfers])
+            if slots is None:
+                self.stats.allocation_failures += 1
+                continue
+            chosen = [t for t in transfers if t.key in slots]
+            if chosen:
+                jobs.append(self._store_job(st, chosen, slots))
+        return jobs
+
     def _geom(self, index: int) -> semantics.GroupGeometry:
         for g in self.layout.groups:
             if g.index == index:
@@ -298,7 +377,7 @@ class StrataScheduler:
         if self._block_jobs and not self._block_jobs.keys().isdisjoint(self._allocated):
             for bid in self._allocated & self._block_jobs.keys():
                 self._flush.update(self._block_jobs[bid])
-        stores = self._boundary_store_jobs(so) + self._store_jobs(so)
+        stores = self._boundary_store_jobs(so) + self._store_jobs(so) + self._prompt_tail_store_jobs(so)
         meta = StrataMetadata(loads=self._loads, stores=stores, flush=self._flush)
         for req_id in so.finished_req_ids or ():
             self._awaiting.discard(req_id)

@@ -340,6 +340,7 @@ def _summary(r: dict[str, Any], before: dict[str, int], after: dict[str, int]) -
 class _PromptKeys:
     hashes: list[bytes]  # vLLM's block hashes of the prompt
     chunks: dict[int, list[bytes]]  # group -> chunk keys
+    tail: dict[int, bytes] | None  # group -> the prompt's tail key (semantics.prompt_tail)
 
 
 class _StoredCheck:
@@ -368,8 +369,14 @@ class _StoredCheck:
         for start in range(0, len(ids) - tph + 1, tph):
             parent = self._hash_block(self._hash, parent, ids[start : start + tph], None)
             hashes.append(bytes(parent))
-        chunks = {g.index: semantics.chunk_keys(hashes, g) for g in self.plan.layout.groups}
-        return _PromptKeys(hashes, chunks)
+        layout = self.plan.layout
+        chunks = {g.index: semantics.chunk_keys(hashes, g) for g in layout.groups}
+        tail = None
+        start = semantics.prompt_tail_start(layout, len(ids))
+        if start is not None:
+            digest = self._hash_block(self._hash, hashes[start // tph - 1] if start else None, ids[start:], None)
+            tail = {g.index: semantics.make_key(bytes(digest), g.index) for g in layout.groups}
+        return _PromptKeys(hashes, chunks, tail)
 
     def _hit(self, ids: Sequence[int], keys: _PromptKeys, store: Any | None) -> int:
         from kvstrata.connector import semantics
@@ -396,6 +403,10 @@ class _StoredCheck:
         hit, _ = semantics.partial_tail_hit(
             layout, complete_hit=hit, num_prompt_tokens=len(ids), local_computed=0,
             block_hashes=keys.hashes, probe=probe, keys=keys.chunks,
+        )
+        hit = semantics.prompt_tail_hit(
+            layout, complete_hit=hit, num_tokens=len(ids), num_prompt_tokens=len(ids), local_computed=0,
+            tail_keys=keys.tail, probe=probe,
         )
         return hit or 0
 

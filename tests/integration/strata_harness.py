@@ -332,6 +332,17 @@ class Runner:
                 continue
             for layer, page in self._group_pages(g, ids[b]):
                 page[:, pos : pos + tph].fill_(page_value(h, g, layer))
+        # Positions of a hash block the step leaves incomplete (a prompt's tail): each its own
+        # value, a function of the tokens up to it.
+        for p in range(max(start, end - end % tph), end):
+            b = p // bs
+            if b < len(ids) and ids[b] != 0:
+                for layer, page in self._group_pages(g, ids[b]):
+                    page[:, p % bs].fill_(page_value(self._position_hash(req, p), g, layer))
+
+    @staticmethod
+    def _position_hash(req: Request, p: int) -> bytes:
+        return sha256(tuple(req.all_token_ids[: p + 1]))
 
     def _write_states(self, req: Request, ids: list[int], g: int, bs: int, start: int, end: int) -> None:
         ends = [(b + 1) * bs for b in range(start // bs, end // bs)]
@@ -362,22 +373,29 @@ class Runner:
             for b in range(local // bs, -(-cached // bs)):
                 if b >= len(ids[g]) or ids[g][b] == 0:
                     continue
+                # (what, expected hash, position in the block or None for the whole page)
+                checks: list[tuple[str, bytes | None, int | None]]
                 if self._is_state(g):
                     # A state block holds the state at its end, or at the boundary inside it.
-                    checks = [(min((b + 1) * bs, cached), None)]
+                    end = min((b + 1) * bs, cached)
+                    checks = [(f"@{end}", self._block_hash_at(req, end), None)]
                 else:
                     checks = [
-                        (p + tph, p - b * bs) for p in range(b * bs, min((b + 1) * bs, cached), tph)
+                        (f"@{p + tph}", self._block_hash_at(req, p + tph), p - b * bs)
+                        for p in range(b * bs, min((b + 1) * bs, cached), tph)
                         if p + tph <= cached
                     ]
-                for state_end, pos in checks:
-                    h = self._block_hash_at(req, state_end)
+                    # A loaded prompt tail: each position of its incomplete hash block.
+                    checks += [
+                        (f"pos {p}", self._position_hash(req, p), p - b * bs)
+                        for p in range(max(b * bs, cached - cached % tph), min((b + 1) * bs, cached))
+                    ]
+                for what, h, pos in checks:
                     for layer, page in self._group_pages(g, ids[g][b]):
                         want = page_value(h, g, layer)
                         got = int((page.flatten() if pos is None else page[:, pos].flatten())[0].item())
                         if got != want:
-                            self.load_errors.append(
-                                f"{req.request_id} g{g} block {b} @{state_end}: {got} != {want}")
+                            self.load_errors.append(f"{req.request_id} g{g} block {b} {what}: {got} != {want}")
 
     def close(self) -> None:
         self.worker.shutdown()

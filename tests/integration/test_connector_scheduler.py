@@ -49,7 +49,8 @@ def _store_then_serve(r: Runner, prompt: list[int], max_tokens: int = 1, again: 
 
 
 # (groups, spec_decode, prompt length, expected served tokens). Block sizes 16, one block per chunk.
-#  - FA only, 100 tokens: 6 complete chunks -> 96 (FA-only hits may reach the whole prompt).
+#  - FA only, 100 tokens: 6 complete chunks and the prompt's tail (4 tokens) -> 100 (FA-only hits
+#    may reach the whole prompt; vLLM recomputes its last token).
 #  - FA + SW(32): windowed groups cap the hit at 99 -> 96; the SW window (2 chunks) ends there.
 #  - FA + Mamba align: cap 99, rounded down to the Mamba chunk (16) -> 96; state@96 handed off.
 #  - annotated eagle FA group: widening cannot pass the 6th key -> 6 hits, pop one -> 80.
@@ -57,13 +58,13 @@ def _store_then_serve(r: Runner, prompt: list[int], max_tokens: int = 1, again: 
 #    that under EAGLE block dropping vLLM's scheduler hands off the Mamba state one block earlier
 #    (state@80, not @96), so a Mamba hybrid serves 80.
 SCENARIOS = [
-    ("fa", [G("full", 16)], False, 100, 96),
+    ("fa", [G("full", 16)], False, 100, 100),
     ("fa-sw", [G("full", 16), G("sw", 16, window=32)], False, 100, 96),
     ("fa-mamba", [G("full", 16), G("mamba", 16)], False, 100, 96),
     ("fa+eagle", [G("full", 16), G("full", 16, eagle=True)], True, 100, 80),
     ("fa-sw+eagle-sw", [G("full", 16), G("sw", 16, window=32, eagle=True)], True, 100, 80),
     ("fa-mamba+eagle", [G("full", 16, eagle=True), G("mamba", 16)], True, 100, 80),
-    ("fa-spec-unannotated", [G("full", 16)], True, 100, 96),
+    ("fa-spec-unannotated", [G("full", 16)], True, 100, 100),
     ("fa-sw-spec-unannotated", [G("full", 16), G("sw", 16, window=32)], True, 100, 96),
     ("fa-mamba-spec-unannotated", [G("full", 16), G("mamba", 16)], True, 100, 80),
 ]
@@ -103,7 +104,7 @@ def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path
 
     store = tmp_path / "persist"
     first = runners([G("full", 16)], store=store)
-    first.serve(_prompt(100), 1)
+    first.serve(_prompt(96), 1)  # chunk-aligned: no prompt tail
     first.close()
     second = runners([G("full", 16)], store=store)
     slow_read = 0.05  # each record takes 50 ms to read: the promotions span ~2 reads per thread
@@ -129,7 +130,7 @@ def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path
         return done
 
     monkeypatch.setattr(hierarchy, "wait_promotions", timed_wait)
-    req = second.add(_prompt(100), 1)
+    req = second.add(_prompt(96), 1)
     steps = 0
     while req.request_id not in second.loaded_tokens:
         second.step()
@@ -261,16 +262,16 @@ def test_connector_stats_report_tiers_and_hits(runners) -> None:
     from kvstrata.connector.connector import StrataConnector
 
     r = runners([G("full", 16)])
-    assert _store_then_serve(r, _prompt(100)) == 96
+    assert _store_then_serve(r, _prompt(100)) == 100  # 6 chunks + the 4-token prompt tail
     assert r.stats is not None and not r.stats.is_empty()
     data = r.stats.data
-    assert data["hit_tokens"] == 96 and data["hit_tokens_host"] == 96 and data["hit_tokens_disk"] == 0
+    assert data["hit_tokens"] == 100 and data["hit_tokens_host"] == 100 and data["hit_tokens_disk"] == 0
     assert data["store_jobs"] >= 1 and data["load_jobs"] == 1
     assert data["bytes_loaded"] > 0 and data["bytes_stored"] >= data["bytes_loaded"]
-    assert data["host_chunks"] == 6
+    assert data["host_chunks"] == 7
     # vLLM rebuilds the stats object from the dict in its logger process.
     rebuilt = StrataConnector.build_kv_connector_stats(data)
-    assert rebuilt.reduce()["hit_tokens"] == 96
+    assert rebuilt.reduce()["hit_tokens"] == 100
 
 
 # Partial tails (R7, R30, §3.8 C): FA16 + Mamba-align 16 hashed every 4 tokens. A 30-token prompt
@@ -314,3 +315,51 @@ def test_partial_tail_from_a_kernel_checkpoint(runners, tmp_path: Path) -> None:
     again = runners(groups, store=store, prefix_match_unit=4)
     assert again.serve(_prompt(30), 1) == 28
     assert again.load_errors == []
+
+
+# ---- the prompt's partial last chunk (semantics.prompt_tail) -------------------------------------
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_prompt_tail_is_stored_and_served(runners, max_tokens: int) -> None:
+    """100 tokens on 16-token blocks: 6 chunks and a 4-token tail; the tail's positions are
+    checked one by one (decode steps after the prompt must not leak into the stored tail)."""
+    r = runners([G("full", 16), G("full", 16)])
+    assert _store_then_serve(r, _prompt(100), max_tokens=max_tokens) == 100
+
+
+def test_prompt_tail_names_its_exact_prompt(runners) -> None:
+    """Same chunks, another last token: the tail is not served; nor to a prompt that extends it."""
+    r = runners([G("full", 16)])
+    base = _prompt(100)
+    assert _store_then_serve(r, base, again=[*base[:99], base[99] + 1]) == 96
+    r.drop_gpu_prefix_cache()
+    assert r.serve(_prompt(120), 1) == 96
+    assert r.load_errors == []
+
+
+def test_prompt_tail_on_top_of_a_gpu_prefix_hit(runners) -> None:
+    """vLLM's own prefix cache holds the 6 complete blocks: kvstrata loads just the tail."""
+    r = runners([G("full", 16)])
+    prompt = _prompt(100)
+    assert r.serve(prompt, 1) == 0
+    assert r.serve(prompt, 1) == 4
+    assert r.load_errors == []
+
+
+def test_prompt_tail_in_a_chunk_of_several_blocks(runners) -> None:
+    """Chunks of 2 blocks: a 120-token prompt has 3 complete chunks and a tail chunk of a full
+    block and a partial one."""
+    r = runners([G("full", 16)], extra={"blocks_per_chunk": 2})
+    assert _store_then_serve(r, _prompt(120)) == 120
+
+
+def test_prompt_tail_served_from_disk_after_restart(runners, tmp_path: Path) -> None:
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(_prompt(100), 1)
+    first.close()
+    second = runners([G("full", 16)], store=store)
+    assert second.serve(_prompt(100), 1) == 100
+    assert second.load_errors == []
+    assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] == 7  # 6 chunks + the tail

@@ -53,6 +53,16 @@ Loads and boundary stores (``transfers``)
     ``plan_partial_tail_stores(layout, offers, *, block_ids, block_hashes, max_boundary) ->
     list[list[ChunkTransfer]]``: every group at a hand-off boundary inside a block (§3.8 C).
 
+Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
+    ``Layout.serves_prompt_tails``: full-attention groups with one chunk size, no drafter.
+    ``prompt_tail_start(layout, num_prompt_tokens)``: start of the prompt's partial last chunk.
+    ``prompt_tail_hit(layout, *, complete_hit, num_tokens, num_prompt_tokens, local_computed,
+    tail_keys, probe, ...) -> int | None``: a complete hit reaching that chunk extends to the
+    prompt's end when every group holds its tail key (the adapter hashes the partial block with
+    vLLM's ``hash_block_tokens``). ``plan_prompt_tail_store(layout, *, num_prompt_tokens,
+    computed_before, computed_after, block_ids, tail_keys, max_offload_tokens=None)``: the tail
+    chunk of every group, in the step that completes the prompt. Loads reuse ``plan_load``'s
+    ``tail_keys``.
 Stores (``store``)
     ``offloadable_tokens(*, num_computed, num_scheduled, num_tokens, num_prompt_tokens, finished,
     aborted, offload_prompt_only, max_offload_tokens) -> int`` (§3.8 D1-D2).
@@ -98,6 +108,11 @@ from kvstrata.connector.semantics.lookup import (
     prefix_run,
     window_run,
 )
+from kvstrata.connector.semantics.prompt_tail import (
+    plan_prompt_tail_store,
+    prompt_tail_hit,
+    prompt_tail_start,
+)
 from kvstrata.connector.semantics.store import (
     mamba_reachable_mask,
     offloadable_tokens,
@@ -134,8 +149,11 @@ __all__ = [
     "plan_boundary_stores",
     "plan_load",
     "plan_partial_tail_stores",
+    "plan_prompt_tail_store",
     "plan_store",
     "prefix_run",
+    "prompt_tail_hit",
+    "prompt_tail_start",
     "resolve_drafter_flags",
     "round_down",
     "sliding_reachable_mask",

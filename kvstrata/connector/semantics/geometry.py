@@ -250,6 +250,20 @@ class Layout:
         )
 
     @cached_property
+    def serves_prompt_tails(self) -> bool:
+        """Whether the prompt's last partial chunk is stored and served (``prompt_tail``).
+
+        Every group full attention with one chunk size, no drafter: a full-attention page holds
+        each position's KV independently, so a partially filled block is a valid prefix of
+        itself. Windowed groups (sliding window, Mamba) and drafter KV at the last positions (R27)
+        are excluded.
+        """
+        return (
+            all(g.kind is GroupKind.FULL and not g.is_drafter for g in self.groups)
+            and len({g.tokens_per_chunk for g in self.groups}) == 1
+        )
+
+    @cached_property
     def scheduler_block_tokens(self) -> int:
         """vLLM's scheduler block: the lcm of the group block sizes (reference §2.3)."""
         return math.lcm(*(g.tokens_per_block for g in self.groups))

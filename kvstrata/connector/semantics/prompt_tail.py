@@ -1,0 +1,114 @@
+"""The prompt's last partial chunk: stored when the prompt is computed, served to the same prompt.
+
+vLLM keys KV by complete blocks, so a prompt that does not end on a chunk boundary leaves up to a
+chunk minus one token that every load recomputes (8176 tokens on 128-token CPU blocks: 112 tokens,
+most of the first token's time). For layouts that ``serve_prompt_tails`` (full attention only),
+kvstrata also stores the chunk holding the prompt's end under a *tail key*: vLLM's block hash of
+the partial block's tokens chained to the prefix (``hash_block_tokens``, computed by the adapter),
+so it names exactly this prompt. A later request with the same prompt loads every chunk plus the
+tail and recomputes only the last token (R21). A prompt that merely starts with it is a different
+key: a tail serves the prompt it ends, never a longer one.
+
+The tail page is the whole chunk's pages; positions past the prompt's end hold whatever the
+blocks held, and a load never claims them (the hit ends at the prompt's end, and the forward
+writes those slots before attention reads them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from kvstrata.connector.semantics.geometry import Layout, cdiv
+from kvstrata.connector.semantics.transfers import ChunkTransfer
+from kvstrata.presence import Presence
+
+
+def prompt_tail_start(layout: Layout, num_prompt_tokens: int) -> int | None:
+    """Where the prompt's partial last chunk starts, or None (no tail, or not served here)."""
+    if not layout.serves_prompt_tails:
+        return None
+    tpc = layout.groups[0].tokens_per_chunk
+    start = num_prompt_tokens - num_prompt_tokens % tpc
+    return None if start == num_prompt_tokens else start
+
+
+def prompt_tail_hit(
+    layout: Layout,
+    *,
+    complete_hit: int | None,
+    num_tokens: int,
+    num_prompt_tokens: int,
+    local_computed: int,
+    tail_keys: Mapping[int, bytes] | None,
+    probe: Callable[[Sequence[bytes]], Sequence[Presence]],
+    max_new_tokens: int | None = None,
+    max_load_tokens: int | None = None,
+    being_loaded: Callable[[bytes], bool] | None = None,
+) -> int | None:
+    """Extend a complete-chunk hit that reaches the prompt's last chunk boundary to the prompt's
+    end, when every group holds its tail key. None = ask again later.
+
+    The tail keys are probed whenever a tail could apply, also while the complete hit defers:
+    their disk promotion then runs alongside the chunks' instead of after them. A tail still
+    promoting defers the hit (like a chunk, R18); a missing one leaves the complete hit. Only a
+    request that is still its prompt (``num_tokens == num_prompt_tokens``) and whose caps allow
+    the whole prompt is extended.
+    """
+    start = prompt_tail_start(layout, num_prompt_tokens)
+    if (
+        tail_keys is None
+        or start is None
+        or num_tokens != num_prompt_tokens
+        or (max_new_tokens is not None and local_computed + max_new_tokens < num_prompt_tokens)
+        or (max_load_tokens is not None and max_load_tokens < num_prompt_tokens - local_computed)
+    ):
+        return complete_hit
+    if complete_hit is not None and local_computed + complete_hit < start:
+        return complete_hit  # the chunks stop short of the tail: do not start its promotion
+    keys = [tail_keys[g.index] for g in layout.groups]
+    answers = probe(keys)
+    if len(answers) != len(keys):
+        raise ValueError(f"probe answered {len(answers)} keys for {len(keys)} asked")
+    if complete_hit is None:
+        return None
+    if any(a is Presence.MISS for a in answers):
+        return complete_hit
+    if any(a is not Presence.HIT for a in answers):
+        return None  # PENDING or RETRY: it is on its way
+    if being_loaded is not None and any(being_loaded(k) for k in keys):
+        return None  # R17.5: the GPU prefix cache will have it after that load
+    return num_prompt_tokens - local_computed
+
+
+def plan_prompt_tail_store(
+    layout: Layout,
+    *,
+    num_prompt_tokens: int,
+    computed_before: int,
+    computed_after: int,
+    block_ids: Mapping[int, Sequence[int]],
+    tail_keys: Mapping[int, bytes] | None,
+    max_offload_tokens: int | None = None,
+) -> list[ChunkTransfer]:
+    """The tail chunk of every group, in the step whose forward completes the prompt.
+
+    ``computed_before``/``computed_after``: the request's computed tokens before and after this
+    step. Nothing when the prompt is not completed by this step, when a request cap forbids
+    offloading the whole prompt, or when a tail block is not allocated (the null block).
+    """
+    start = prompt_tail_start(layout, num_prompt_tokens)
+    if (
+        tail_keys is None
+        or start is None
+        or not computed_before < num_prompt_tokens <= computed_after
+        or (max_offload_tokens is not None and max_offload_tokens < num_prompt_tokens)
+    ):
+        return []
+    out: list[ChunkTransfer] = []
+    for geom in layout.groups:
+        first = start // geom.tokens_per_block
+        ids = tuple(block_ids[geom.index][first : cdiv(num_prompt_tokens, geom.tokens_per_block)])
+        if len(ids) != cdiv(num_prompt_tokens, geom.tokens_per_block) - first or 0 in ids:
+            return []
+        out.append(ChunkTransfer(geom.index, start // geom.tokens_per_chunk, tail_keys[geom.index], ids, 0))
+    return out

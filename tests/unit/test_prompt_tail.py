@@ -1,0 +1,145 @@
+"""The prompt's partial last chunk (semantics.prompt_tail): when it is stored, when it is served."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvstrata.connector.semantics import (
+    GroupGeometry,
+    GroupKind,
+    Layout,
+    lookup_hit,
+    plan_load,
+    plan_prompt_tail_store,
+    prompt_tail_hit,
+    prompt_tail_start,
+)
+from kvstrata.presence import Presence
+
+
+def _fa(index: int = 0, tpb: int = 16, bpc: int = 1, drafter: bool = False) -> GroupGeometry:
+    return GroupGeometry(index, GroupKind.FULL, tpb, bpc, 16, is_drafter=drafter)
+
+
+FA = Layout((_fa(0), _fa(1)))
+TAILS = {0: b"tail-0", 1: b"tail-1"}
+
+
+class Probe:
+    def __init__(self, answers: dict[bytes, Presence]):
+        self.answers = answers
+        self.asked: list[bytes] = []
+
+    def __call__(self, keys: Sequence[bytes]) -> list[Presence]:
+        self.asked.extend(keys)
+        return [self.answers.get(k, Presence.MISS) for k in keys]
+
+
+def _hit(layout: Layout = FA, *, complete: int | None = 96, n: int = 100, local: int = 0,
+         answers: dict[bytes, Presence] | None = None, tails=TAILS, **kw) -> tuple[int | None, Probe]:
+    probe = Probe({k: Presence.HIT for k in TAILS.values()} if answers is None else answers)
+    hit = prompt_tail_hit(layout, complete_hit=complete, num_tokens=kw.pop("num_tokens", n),
+                          num_prompt_tokens=n, local_computed=local, tail_keys=tails, probe=probe, **kw)
+    return hit, probe
+
+
+def test_which_layouts_serve_prompt_tails() -> None:
+    assert FA.serves_prompt_tails
+    assert not Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_window=32))).serves_prompt_tails
+    assert not Layout((_fa(0), GroupGeometry(1, GroupKind.MAMBA, 16, 1, 16))).serves_prompt_tails
+    assert not Layout((_fa(0), _fa(1, drafter=True))).serves_prompt_tails
+    assert not Layout((_fa(0, tpb=16), _fa(1, tpb=32))).serves_prompt_tails  # two chunk sizes
+    assert prompt_tail_start(FA, 100) == 96
+    assert prompt_tail_start(FA, 96) is None  # chunk-aligned: no tail
+    assert prompt_tail_start(FA, 10) == 0
+    assert prompt_tail_start(Layout((_fa(0, bpc=4),)), 100) == 64
+
+
+def test_a_complete_hit_reaching_the_tail_extends_to_the_prompt_end() -> None:
+    hit, probe = _hit()
+    assert hit == 100
+    assert probe.asked == [b"tail-0", b"tail-1"]
+    assert _hit(local=32, complete=64)[0] == 68  # beyond a local GPU hit
+    assert _hit(local=96, complete=0)[0] == 4  # the whole prefix is local: only the tail loads
+    assert _hit(n=10, complete=0)[0] == 10  # a prompt shorter than a chunk
+
+
+@pytest.mark.parametrize("missing", [b"tail-0", b"tail-1"])
+def test_any_group_without_its_tail_leaves_the_complete_hit(missing: bytes) -> None:
+    answers = {k: Presence.HIT for k in TAILS.values() if k != missing}
+    assert _hit(answers=answers)[0] == 96
+
+
+@pytest.mark.parametrize("state", [Presence.PENDING, Presence.RETRY])
+def test_a_tail_on_its_way_defers(state: Presence) -> None:
+    assert _hit(answers={b"tail-0": Presence.HIT, b"tail-1": state})[0] is None
+
+
+def test_a_deferred_complete_hit_still_probes_the_tail() -> None:
+    """After a restart the chunks and the tail promote from disk together, not one after the other."""
+    hit, probe = _hit(complete=None)
+    assert hit is None and probe.asked == [b"tail-0", b"tail-1"]
+
+
+def test_no_tail_probe_when_it_cannot_apply() -> None:
+    for kw in ({"complete": 64}, {"n": 96}, {"num_tokens": 101}, {"tails": None},
+               {"max_new_tokens": 99}, {"max_load_tokens": 99}, {"local": 32, "complete": 0}):
+        complete = kw.get("complete", 96)
+        hit, probe = _hit(**kw)
+        assert hit == complete, kw
+        assert probe.asked == [], kw
+    assert _hit(max_new_tokens=100, max_load_tokens=100)[0] == 100  # caps at the prompt's end
+
+
+def test_other_layouts_are_unchanged() -> None:
+    sw = Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_window=32)))
+    hit, probe = _hit(sw)
+    assert hit == 96 and probe.asked == []
+
+
+def test_a_tail_being_loaded_for_another_request_defers() -> None:
+    assert _hit(being_loaded=lambda k: k == b"tail-1")[0] is None
+    assert _hit(being_loaded=lambda k: False)[0] == 100
+
+
+def test_load_plan_for_a_tail_hit_uses_the_tail_keys() -> None:
+    layout = Layout((_fa(0, bpc=2), _fa(1, bpc=2)))
+    keys = {g: [b"c0-%d" % g, b"c1-%d" % g, b"c2-%d" % g] for g in (0, 1)}
+    stored = {k for ks in keys.values() for k in ks} | set(TAILS.values())
+    probe = Probe({k: Presence.HIT for k in stored})
+    complete = lookup_hit(layout, num_tokens=120, local_computed=0, keys=keys, probe=probe)
+    assert complete == 96
+    hit = prompt_tail_hit(layout, complete_hit=complete, num_tokens=120, num_prompt_tokens=120,
+                          local_computed=0, tail_keys=TAILS, probe=probe)
+    assert hit == 120
+    blocks = {0: list(range(1, 9)), 1: list(range(11, 19))}
+    plan = plan_load(layout, local_computed=0, hit_tokens=hit, block_ids=blocks, keys=keys, tail_keys=TAILS)
+    tail = [t for t in plan if t.chunk_index == 3]
+    assert [(t.group, t.key, t.block_ids) for t in tail] == [(0, b"tail-0", (7, 8)), (1, b"tail-1", (17, 18))]
+    assert len(plan) == 8
+
+
+def test_the_tail_is_stored_in_the_step_that_completes_the_prompt() -> None:
+    blocks = {0: [1, 2, 3, 4, 5, 6, 7], 1: [11, 12, 13, 14, 15, 16, 17]}
+
+    def plan(before: int, after: int, **kw):
+        return plan_prompt_tail_store(FA, num_prompt_tokens=100, computed_before=before, computed_after=after,
+                                      block_ids=kw.pop("block_ids", blocks), tail_keys=TAILS, **kw)
+
+    done = plan(64, 100)
+    assert [(t.group, t.chunk_index, t.key, t.block_ids, t.first_block_in_chunk) for t in done] == [
+        (0, 6, b"tail-0", (7,), 0), (1, 6, b"tail-1", (17,), 0)]
+    assert plan(0, 64) == []  # the prompt is not complete yet
+    assert plan(100, 101) == []  # decoding: stored already
+    assert plan(99, 101) != []  # the step that ends the prompt (and samples past it)
+    assert plan(64, 100, max_offload_tokens=99) == []
+    assert plan(64, 100, max_offload_tokens=100) != []
+    assert plan(64, 100, block_ids={0: blocks[0], 1: [11, 12, 13, 14, 15, 16, 0]}) == []
+    assert plan_prompt_tail_store(FA, num_prompt_tokens=96, computed_before=0, computed_after=96,
+                                  block_ids=blocks, tail_keys=TAILS) == []  # no tail
+    bpc4 = Layout((_fa(0, bpc=4),))
+    [t] = plan_prompt_tail_store(bpc4, num_prompt_tokens=100, computed_before=0, computed_after=100,
+                                 block_ids={0: blocks[0]}, tail_keys=TAILS)
+    assert (t.chunk_index, t.block_ids) == (1, (5, 6, 7))
