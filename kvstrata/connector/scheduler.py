@@ -344,13 +344,9 @@ class StrataScheduler:
             )
             if not transfers:
                 continue
-            slots = self.hierarchy.prepare_store([t.key for t in transfers])
-            if slots is None:
-                self.stats.allocation_failures += 1
-                continue
-            chosen = [t for t in transfers if t.key in slots]
-            if chosen:
-                jobs.append(self._store_job(st, chosen, slots))
+            reserved = self._reserve(transfers)
+            if reserved is not None and reserved[0]:
+                jobs.append(self._store_job(st, *reserved))
         return jobs
 
     def _geom(self, index: int) -> semantics.GroupGeometry:
@@ -482,17 +478,25 @@ class StrataScheduler:
             if not candidates:
                 self._advance(st, next_stored)
                 continue
-            slots = self.hierarchy.prepare_store([c.key for c in candidates])
-            if slots is None:
-                self.stats.allocation_failures += 1
+            reserved = self._reserve(candidates)
+            if reserved is None:
                 continue
-            chosen = [c for c in candidates if c.key in slots]
+            chosen, slots = reserved
             self._advance(st, next_stored)
             if not chosen:
                 continue
             job = self._store_job(st, chosen, slots)
             jobs.append(job)
         return jobs
+
+    def _reserve(self, transfers: list[Any]) -> tuple[list[Any], dict[bytes, int]] | None:
+        """The transfers whose keys the host tier takes (not already stored), with their slots;
+        None when it cannot allocate."""
+        slots = self.hierarchy.prepare_store([t.key for t in transfers])
+        if slots is None:
+            self.stats.allocation_failures += 1
+            return None
+        return [t for t in transfers if t.key in slots], slots
 
     def _advance(self, st: _RequestState, next_stored: dict[int, int]) -> None:
         for g, n in next_stored.items():
@@ -563,13 +567,10 @@ class StrataScheduler:
     def _fenced_store_job(self, st: _RequestState, transfers: list[Any]) -> TransferJob | None:
         """One store job for the transfers the store accepts, their blocks fenced at once (the
         scheduler's hand-off guarantees the bytes only until the blocks are reused)."""
-        slots = self.hierarchy.prepare_store([t.key for t in transfers])
-        if slots is None:
-            self.stats.allocation_failures += 1
+        reserved = self._reserve(transfers)
+        if reserved is None or not reserved[0]:
             return None
-        chosen = [t for t in transfers if t.key in slots]
-        if not chosen:
-            return None
+        chosen, slots = reserved
         job_id = self._new_job(st, is_store=True, keys=[t.key for t in chosen])
         for t in chosen:
             self._jobs[job_id].fenced.extend(t.block_ids)
