@@ -143,12 +143,12 @@ def _page_bytes_or(plan: KVPlan, index: int, kv_caches: dict[str, torch.Tensor],
 def _allow_amx() -> None:
     """Ask Linux for the AMX tile state before vLLM's CPU attention uses it.
 
-    vLLM 0.32.0's CPU attention runs AMX kernels (bf16, block sizes a multiple of 32) but never requests
-    the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); torch's large GEMMs request it lazily.
+    vLLM 0.32.0's CPU attention runs AMX kernels (bf16, block sizes a multiple of 32) but never
+    requests the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); torch's large GEMMs request
+    it lazily.
     An engine whose first attention batch is all single-token queries therefore dies with SIGILL:
     a 1-token prompt does it without kvstrata, and so does a restarted engine whose first request
     kvstrata serves whole (the engine recomputes only its last token).
     """
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()
-
