@@ -53,6 +53,9 @@ class ModelCase:
     # hybrid that makes hits end inside a block, at the prompt's last N-token boundary (partial
     # tails, R7/R30).
     prefix_match_unit: int | None = None
+    # Attention-only layouts (full, sliding window) without a drafter: the prompt's partial last
+    # block is stored and served too (semantics.prompt_tail), so a hit covers the whole prompt.
+    serves_prompt_tails: bool = False
 
     def options(self, model_dir: Path, store: Path, **overrides: Any) -> EngineOptions:
         engine = dict(self.engine)
@@ -78,8 +81,8 @@ def _llama_with_eagle(out: Path, seed: int) -> Path:
 
 
 CASES: dict[str, ModelCase] = {
-    "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s)),
-    "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s)),
+    "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), serves_prompt_tails=True),
+    "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s), serves_prompt_tails=True),
     # GDN blocks are storable only when prefill chunks end on the 384-token block. One sequence
     # per step: CPU GDN runs only in bf16, where a request's numerics depend on what else is in
     # its batch; a reloaded request batched differently from its cold run then flips greedy

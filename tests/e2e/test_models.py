@@ -56,6 +56,8 @@ def test_restart_serves_first_request_from_disk(scenario: Scenario) -> None:
     assert kvstrata_hits(disk) >= len(PROMPTS[1]) // 2, dump(disk["metrics"])
     if scenario.case.prefix_match_unit is not None:
         assert kvstrata_hits(disk) == kvstrata_hits(scenario.first["host"]), dump(disk["metrics"])
+    if scenario.case.serves_prompt_tails:  # none of the prompts ends on a block boundary
+        assert [o["num_cached_tokens"] for o in disk["outputs"]] == [len(p) for p in PROMPTS]
 
 
 @pytest.mark.slow

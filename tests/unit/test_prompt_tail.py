@@ -47,7 +47,8 @@ def _hit(layout: Layout = FA, *, complete: int | None = 96, n: int = 100, local:
 
 def test_which_layouts_serve_prompt_tails() -> None:
     assert FA.serves_prompt_tails
-    assert not Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_window=32))).serves_prompt_tails
+    assert Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_window=32))).serves_prompt_tails
+    assert not Layout((GroupGeometry(0, GroupKind.CHUNKED_LOCAL, 16, 1, 16, attention_chunk_size=64),)).serves_prompt_tails
     assert not Layout((_fa(0), GroupGeometry(1, GroupKind.MAMBA, 16, 1, 16))).serves_prompt_tails
     assert not Layout((_fa(0), _fa(1, drafter=True))).serves_prompt_tails
     assert not Layout((_fa(0, tpb=16), _fa(1, tpb=32))).serves_prompt_tails  # two chunk sizes
@@ -94,9 +95,15 @@ def test_no_tail_probe_when_it_cannot_apply() -> None:
 
 
 def test_other_layouts_are_unchanged() -> None:
+    mamba = Layout((_fa(0), GroupGeometry(1, GroupKind.MAMBA, 16, 1, 16)))
+    hit, probe = _hit(mamba)
+    assert hit == 96 and probe.asked == []
+
+
+def test_a_sliding_window_group_is_extended_with_its_tail() -> None:
     sw = Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_window=32)))
     hit, probe = _hit(sw)
-    assert hit == 96 and probe.asked == []
+    assert hit == 100 and sorted(probe.asked) == sorted(TAILS.values())
 
 
 def test_a_tail_being_loaded_for_another_request_defers() -> None:

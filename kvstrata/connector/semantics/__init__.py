@@ -54,7 +54,7 @@ Loads and boundary stores (``transfers``)
     list[list[ChunkTransfer]]``: every group at a hand-off boundary inside a block (§3.8 C).
 
 Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
-    ``Layout.serves_prompt_tails``: full-attention groups with one chunk size, no drafter.
+    ``Layout.serves_prompt_tails``: full or sliding-window groups, one chunk size, no drafter.
     ``prompt_tail_start(layout, num_prompt_tokens)``: start of the prompt's partial last chunk.
     ``prompt_tail_hit(layout, *, complete_hit, num_tokens, num_prompt_tokens, local_computed,
     tail_keys, probe, ...) -> int | None``: a complete hit reaching that chunk extends to the

@@ -253,13 +253,18 @@ class Layout:
     def serves_prompt_tails(self) -> bool:
         """Whether the prompt's last partial chunk is stored and served (``prompt_tail``).
 
-        Every group full attention with one chunk size, no drafter: a full-attention page holds
-        each position's KV independently, so a partially filled block is a valid prefix of
-        itself. Windowed groups (sliding window, Mamba) and drafter KV at the last positions (R27)
-        are excluded.
+        Every group full attention or sliding window, with one chunk size, no drafter: an
+        attention page holds each position's KV independently, so a partially filled block is a
+        valid prefix of itself. A sliding-window group extended from the last chunk boundary to
+        the prompt's end needs the window before the end, which lies inside the window the
+        complete hit already required plus the tail block. Mamba groups (a state, not a page per
+        position) and drafter KV at the last positions (R27) are excluded.
         """
         return (
-            all(g.kind is GroupKind.FULL and not g.is_drafter for g in self.groups)
+            all(
+                g.kind in (GroupKind.FULL, GroupKind.SLIDING) and not g.is_drafter
+                for g in self.groups
+            )
             and len({g.tokens_per_chunk for g in self.groups}) == 1
         )
 

@@ -2,10 +2,10 @@
 
 vLLM keys KV by complete blocks, so a prompt that does not end on a chunk boundary leaves up to a
 chunk minus one token that every load recomputes (8176 tokens on 128-token CPU blocks: 112 tokens,
-most of the first token's time). For layouts that ``serve_prompt_tails`` (full attention only),
-kvstrata also stores the chunk holding the prompt's end under a *tail key*: vLLM's block hash of
-the partial block's tokens chained to the prefix (``hash_block_tokens``, computed by the adapter),
-so it names exactly this prompt. A later request with the same prompt loads every chunk plus the
+most of the first token's time). For layouts that ``serve_prompt_tails`` (full and sliding-window
+attention, no drafter), kvstrata also stores the chunk holding the prompt's end under a *tail
+key*: vLLM's block hash of the partial block's tokens chained to the prefix
+(``hash_block_tokens``, computed by the adapter), so it names exactly this prompt. A later request with the same prompt loads every chunk plus the
 tail and recomputes only the last token (R21). A prompt that merely starts with it is a different
 key: a tail serves the prompt it ends, never a longer one.
 
