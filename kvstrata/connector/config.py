@@ -81,6 +81,22 @@ class StrataConfig:
     offload_prompt_only: bool = True
     max_age_s: float | None = None
     host_shm_dir: Path | None = None
+    # Answer a disk hit before its chunks are read and hand them to the device as they land
+    # (tiers/landing.py). A chunk that then fails to decode fails the load, which vLLM
+    # recomputes only under kv_load_failure_policy="recompute": "auto" streams exactly then.
+    stream_loads: bool | str = "auto"
+
+    def resolve_stream_loads(self, kv_load_failure_policy: str) -> bool:
+        """Whether loads stream under vLLM's ``kv_load_failure_policy``."""
+        if self.stream_loads == "auto":
+            return kv_load_failure_policy == "recompute"
+        if self.stream_loads and kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                "kvstrata option 'stream_loads': true needs vLLM's kv_load_failure_policy "
+                f"'recompute' (it is {kv_load_failure_policy!r}): a chunk found corrupt after its "
+                "load began would end the request with an error instead of recomputing it"
+            )
+        return bool(self.stream_loads)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> StrataConfig:
@@ -155,6 +171,17 @@ def _optional_path(key: str, value: Any) -> Path | None:
     return None if value is None else _path(key, value)
 
 
+def _auto_or_bool(key: str, value: Any) -> bool | str:
+    if value == "auto":
+        return "auto"
+    try:
+        return _bool(key, value)
+    except ConfigError:
+        raise ConfigError(
+            f"kvstrata option {key!r}: expected \"auto\", true or false, got {value!r}"
+        ) from None
+
+
 _VALIDATORS = {
     "store_path": _path,
     "host_bytes": lambda k, v: _min_size(k, v, 1 << 20),
@@ -171,6 +198,7 @@ _VALIDATORS = {
     "offload_prompt_only": _bool,
     "max_age_s": _optional_seconds,
     "host_shm_dir": _optional_path,
+    "stream_loads": _auto_or_bool,
 }
 
 

@@ -123,11 +123,18 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             from kvstrata.connector.scheduler import StrataScheduler
 
             hierarchy, self._owned, self._session_dir = build_hierarchy(self.plan, self.cfg)
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
+            try:
+                stream_loads = self.cfg.resolve_stream_loads(policy)
+            except BaseException:
+                hierarchy.close()
+                raise
             self._scheduler = StrataScheduler(
                 self.plan,
                 hierarchy,
                 offload_prompt_only=self.cfg.offload_prompt_only,
                 prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                stream_loads=stream_loads,
             )
             logger.info(
                 "kvstrata: store %s, host tier %d slots x %d bytes, groups %s",

@@ -20,12 +20,15 @@ class ChunkCopy:
 
     ``first_block`` is the index within the chunk of ``block_ids[0]``: a load that starts inside a
     chunk (its first blocks are already in the GPU prefix cache) copies only the chunk's tail.
+    ``ticket`` (loads only): 0 when the slot holds the chunk now; otherwise the worker waits for
+    the slot's landing board to show it (streamed load, ``tiers/landing.py``); -1 fails the load.
     """
 
     group: int
     slot: int
     first_block: int
     block_ids: tuple[int, ...]
+    ticket: int = 0
 
 
 @dataclass(slots=True)

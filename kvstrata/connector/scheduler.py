@@ -76,6 +76,7 @@ class _Job:
     fenced: list[int] = field(default_factory=list)
     deferred_fence: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
+    hit: tuple[int, int] = (0, 0)  # loads: (tokens, of which promoted from disk), counted on success
 
 
 # Longest an empty engine step waits for promotions from disk (see StrataScheduler._idle_wait).
@@ -94,8 +95,15 @@ def _request_cap(req: Request, name: str) -> int | None:
 
 
 class StrataScheduler:
-    def __init__(self, plan: KVPlan, hierarchy: Any, *, offload_prompt_only: bool, prefix_caching: bool):
+    def __init__(
+        self, plan: KVPlan, hierarchy: Any, *, offload_prompt_only: bool, prefix_caching: bool,
+        stream_loads: bool = False,
+    ):
         self.plan = plan
+        # Disk hits are answered before their chunks landed and loaded as they land (see
+        # Hierarchy.prepare_streamed_load); only under kv_load_failure_policy="recompute".
+        self.stream_loads = stream_loads
+        self._streaming: dict[int, list[bytes]] = {}  # streamed load job -> its keys
         self.layout = plan.layout
         self.hierarchy = hierarchy
         self.offload_prompt_only = offload_prompt_only
@@ -154,7 +162,7 @@ class StrataScheduler:
 
         def probe(keys: Iterable[bytes]) -> list[Presence]:
             keys = list(keys)
-            answers = list(self.hierarchy.lookup_many(keys, st.promoted))
+            answers = list(self.hierarchy.lookup_many(keys, st.promoted, stream=self.stream_loads))
             pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
             return answers
 
@@ -204,16 +212,16 @@ class StrataScheduler:
         self._awaiting.discard(request.request_id)
         self.stats.observe_lookup_delay(time.monotonic() - st.lookup_started)
         st.lookup_started = None
-        if hit:
-            self.stats.hit_tokens += hit
         return hit, hit > 0
 
     def get_external_cache_hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
         st = self._reqs.get(request.request_id)
         return dict(st.hit_sources) if st is not None and num_external else {}
 
-    def _attribute_hit(self, st: _RequestState, num_external: int) -> None:
-        """Tokens per tier: chunks promoted from disk for this request count as DISK, else HOST."""
+    def _attribute_hit(self, st: _RequestState, num_external: int) -> int:
+        """Tokens per tier: chunks promoted from disk for this request count as DISK, else HOST.
+        Sets vLLM's per-source figures; returns the DISK tokens (counted in our stats once the
+        load succeeded: a streamed load may still fail)."""
         start, end = st.num_local, st.num_local + num_external
         disk = 0
         covered: set[tuple[int, int]] = set()
@@ -223,13 +231,12 @@ class StrataScheduler:
                 covered.add((lo, hi))
                 disk += hi - lo
         disk = min(disk, num_external)
-        self.stats.hit_tokens_disk += disk
-        self.stats.hit_tokens_host += num_external - disk
         st.hit_sources = {}
         if disk:
             st.hit_sources[CacheHitSource.DISK] = disk
         if num_external - disk:
             st.hit_sources[CacheHitSource.HOST] = num_external - disk
+        return disk
 
     # -------------------------------------------------------------------- load
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -277,22 +284,28 @@ class StrataScheduler:
             tail_keys=tail_keys,
         )
         keys = [t.key for t in transfers]
-        slots = self.hierarchy.prepare_load(keys)
+        if self.stream_loads:
+            placed = self.hierarchy.prepare_streamed_load(keys)
+        else:
+            placed = [(slot, 0) for slot in self.hierarchy.prepare_load(keys)]
         copies = [
-            ChunkCopy(t.group, slot, t.first_block_in_chunk, tuple(t.block_ids))
-            for t, slot in zip(transfers, slots, strict=True)
+            ChunkCopy(t.group, slot, t.first_block_in_chunk, tuple(t.block_ids), ticket)
+            for t, (slot, ticket) in zip(transfers, placed, strict=True)
         ]
         st.load_keys = [
             (t.chunk_index * g.tokens_per_chunk, min(cached, (t.chunk_index + 1) * g.tokens_per_chunk), t.key)
             for t in transfers
             for g in (self._geom(t.group),)
         ]
-        self._attribute_hit(st, num_external)
+        disk_tokens = self._attribute_hit(st, num_external)
         # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32).
         for geom in self.layout.groups:
             st.groups[geom.index].next_stored_chunk = -(-cached // geom.tokens_per_chunk)
         job_id = self._new_job(st, is_store=False, keys=keys)
+        self._jobs[job_id].hit = (num_external, disk_tokens)
         self._loads.append(TransferJob(job_id, request.request_id, False, copies))
+        if any(c.ticket > 0 for c in copies):
+            self._streaming[job_id] = keys
         if self._being_loaded is not None:
             self._being_loaded.update(keys)
         self.stats.load_jobs += 1
@@ -384,7 +397,7 @@ class StrataScheduler:
             if not st.jobs:
                 del self._reqs[req_id]
         self._loads, self._flush, self._allocated = [], set(), set()
-        if self._awaiting and not meta.loads and not so.total_num_scheduled_tokens:
+        if (self._awaiting or self._streaming) and not meta.loads and not so.total_num_scheduled_tokens:
             self._idle_wait()
         return meta
 
@@ -403,6 +416,9 @@ class StrataScheduler:
                 self._awaiting.discard(req_id)
                 continue
             keys.extend(st.awaiting)
+        # Streamed loads wait on their chunks' promotions in the workers: the same wait applies.
+        for keys_of_job in self._streaming.values():
+            keys.extend(keys_of_job)
         if keys:
             self.hierarchy.wait_promotions(keys, IDLE_WAIT_S)
 
@@ -624,9 +640,15 @@ class StrataScheduler:
                 self.stats.store_failures += 1
         else:
             self.hierarchy.complete_load(job.keys)
+            self._streaming.pop(job_id, None)
             if self._being_loaded:
                 self._being_loaded.difference_update(job.keys)
-            if not ok:
+            if ok:
+                tokens, disk = job.hit
+                self.stats.hit_tokens += tokens
+                self.stats.hit_tokens_disk += disk
+                self.stats.hit_tokens_host += tokens - disk
+            else:
                 self.stats.load_failures += 1
         for bid in chain(job.fenced, job.deferred_fence):
             jobs = self._block_jobs.get(bid)
@@ -676,6 +698,7 @@ class StrataScheduler:
         self._stale_below = self._next_job
         self._stale.update(self._jobs)
         self._jobs.clear()
+        self._streaming.clear()
         self._block_jobs.clear()
         if self._being_loaded is not None:
             self._being_loaded.clear()

@@ -16,6 +16,7 @@ from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, Tr
 from kvstrata.connector.plan import KVPlan
 from kvstrata.tiers.device import DeviceStager
 from kvstrata.tiers.host import HostSlab
+from kvstrata.tiers.landing import LandingWaiter
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class StrataWorker:
         self.kv_cache_config = kv_cache_config
         self.slab: HostSlab | None = None
         self.stager: DeviceStager | None = None
+        self.landing: LandingWaiter | None = None
         self._submitted: dict[int, TransferJob] = {}
         self._started: dict[int, float] = {}
         self._meta = StrataWorkerMetadata()
@@ -54,12 +56,20 @@ class StrataWorker:
         broken = {g.index: self.stager.group_errors[g.index] for g in plan.groups if g.index in self.stager.group_errors}
         if broken:
             raise ValueError(f"kvstrata cannot stage these KV cache groups: {broken}")
+        # Loads whose chunks are still landing from disk (streamed loads): on CPU each chunk is
+        # copied by the waiter as it lands; accelerators get whole jobs back (get_finished).
+        self.landing = LandingWaiter(
+            self.slab.landed, self.stager.load_now if self.stager.copies_on_host else None
+        )
 
     # A store job read in a later step could copy a block that was re-allocated meanwhile; the
     # scheduler lists such jobs in ``flush`` and we finish them before this step's forward.
     def handle_preemptions(self, meta: StrataMetadata) -> None:
         if not meta.flush:
             return
+        if self.landing is not None:
+            # A streamed load still waiting must not copy into blocks that change hands now.
+            self.landing.cancel(list(meta.flush))
         for job in meta.stores:
             if job.job_id in meta.flush and job.job_id not in self._submitted:
                 self._submit(job)
@@ -86,6 +96,9 @@ class StrataWorker:
         copies = [(c.group, c.slot, c.first_block, c.block_ids) for c in job.copies]
         if job.is_store:
             self.stager.store(job.job_id, copies)
+        elif any(c.ticket for c in job.copies):
+            assert self.landing is not None
+            self.landing.submit(job.job_id, copies, [c.ticket for c in job.copies])
         else:
             # The request only runs once this load is reported finished; on accelerators also
             # order the compute stream after it, so no forward can read a half-copied block.
@@ -95,7 +108,10 @@ class StrataWorker:
         """(finished_sending, finished_recving, failed_recving) for vLLM."""
         if self.stager is None:
             return set(), set(), set()
-        for job_id, ok in self.stager.poll():
+        assert self.landing is not None
+        for job_id, transfers in self.landing.take_ready():
+            self.stager.load(job_id, transfers, before_compute=True)
+        for job_id, ok in self.stager.poll() + self.landing.poll():
             job = self._submitted.pop(job_id)
             elapsed = time.perf_counter() - self._started.pop(job_id)
             nbytes = self._job_bytes(job)
@@ -124,6 +140,8 @@ class StrataWorker:
         return meta
 
     def shutdown(self) -> None:
+        if self.landing is not None:
+            self.landing.close()
         if self.stager is not None:
             self.stager.wait(list(self._submitted))
             self.stager.close()

@@ -289,6 +289,20 @@ class DeviceStager:
         if before_compute:
             self.order_before_compute([job_id])
 
+    @property
+    def copies_on_host(self) -> bool:
+        """True on CPU devices: copies run on the calling thread, no stream is involved."""
+        return not self._accel
+
+    def load_now(self, t: Transfer) -> None:
+        """CPU devices: copy one host slot into its device pages on the calling thread (a
+        streamed load's chunk that just landed). Raises IndexError for a bad transfer."""
+        if self._accel:
+            raise RuntimeError("load_now is for CPU devices; accelerators use load()")
+        t = Transfer(*t)
+        self._check(t)
+        self._load_cpu(t)
+
     def poll(self) -> list[tuple[int, bool]]:
         """Jobs finished since the last poll, as ``(job_id, ok)``; never blocks."""
         for queue in self._inflight.values():

@@ -11,6 +11,12 @@ hands disk work to an asyncio event loop on a background thread. That loop owns 
   promotion (LMDB get -> decompress straight into the slot) at once, answering PENDING; at most
   ``max_concurrent_reads`` run at a time and a chunk is fetched once however often it is asked
   for. A failed or corrupt read makes the chunk a MISS (counted), never an exception.
+* **streamed loads** (``lookup_many(stream=True)`` + ``prepare_streamed_load``): a chunk whose
+  promotion is in flight answers HIT and may be handed to a worker before its bytes landed. Each
+  promotion gets a ticket; when it ends, the slab's landing board gets ``ticket << 1 | failed``
+  for its slot, and the worker copies the slot only after reading its own ticket there. A failed
+  promotion thus reaches the worker as a failed load (vLLM recomputes the request under
+  ``kv_load_failure_policy="recompute"``), never as wrong bytes.
 
 The blocking work (LMDB, zstd, checksums) runs in thread pools via ``run_in_executor``, one whole
 operation per call (storage-facts.md, implication 8); it releases the GIL. Reads and writes have
@@ -130,6 +136,12 @@ class Hierarchy:
         self._deferred_bytes = 0
         self._inflight_bytes = 0
         self._bad: set[bytes] = set()  # disk records that failed to read
+        # Streamed loads: the ticket of each promotion in flight, and load pins whose entry a
+        # failed promotion dropped (complete_load must not release them on a successor entry).
+        self._tickets: dict[bytes, int] = {}
+        self._next_ticket = 1
+        self._dead_pins: dict[bytes, int] = {}
+        slab.landed[:] = 0  # tickets of an earlier engine on a reused slab file mean nothing
         self._offers: OrderedDict[bytes, int] = OrderedDict()
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
@@ -146,14 +158,16 @@ class Hierarchy:
     # ---- scheduler API -----------------------------------------------------------------------
 
     def lookup_many(
-        self, keys: Sequence[bytes], promoting: set[bytes] | None = None
+        self, keys: Sequence[bytes], promoting: set[bytes] | None = None, *, stream: bool = False
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
         A chunk found only on disk starts its promotion now and answers PENDING. ``promoting``
-        collects the keys whose PENDING is a promotion from disk (for per-tier hit figures).
+        collects the keys whose answer is a promotion from disk (for per-tier hit figures).
+        ``stream``: a promotion in flight answers HIT instead; load such keys with
+        :meth:`prepare_streamed_load`.
         """
-        return self._lookup(keys, count_offers=True, promoting=promoting)
+        return self._lookup(keys, count_offers=True, promoting=promoting, stream=stream)
 
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
         """Start disk -> host promotions for disk-only chunks (a lookup without bookkeeping)."""
@@ -234,10 +248,45 @@ class Hierarchy:
             self._counts["loads_prepared"] += len(keys)
             return slots
 
-    def complete_load(self, keys: Sequence[bytes]) -> None:
-        """Unpin slots taken by ``prepare_load`` (once per key per call)."""
+    def prepare_streamed_load(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Pin the keys' slots for a host -> device load that may start before a promotion
+        landed; returns ``(slot, ticket)`` per key.
+
+        Ticket 0: the chunk is in the host tier now. A positive ticket: wait until the slab's
+        landing board shows it for the slot (``landed[slot] >> 1 >= ticket``; the chunk is
+        there when the value is exactly ``ticket << 1``, anything else means it failed). Ticket
+        -1: the chunk is gone already (its promotion failed since the lookup); the load fails.
+        Release every key with :meth:`complete_load` as usual.
+        """
+        out: list[tuple[int, int]] = []
         with self._lock:
             for key in keys:
+                entry = self.pool.get(key)
+                ticket = self._tickets.get(key, 0)
+                if entry is None or not (entry[1] or ticket):
+                    # Not there, or a store still in flight (never answered HIT): unloadable.
+                    self._dead_pins[key] = self._dead_pins.get(key, 0) + 1
+                    out.append((0, -1))
+                    continue
+                out.append((self.pool.acquire(key), ticket))
+                self.pool.touch(key)
+            self._counts["loads_prepared"] += len(keys)
+            self._counts["loads_streamed"] += sum(1 for _, t in out if t > 0)
+        return out
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Unpin slots taken by ``prepare_load`` or ``prepare_streamed_load`` (once per key
+        per call)."""
+        with self._lock:
+            dead = self._dead_pins
+            for key in keys:
+                n = dead.get(key)
+                if n:
+                    if n == 1:
+                        del dead[key]
+                    else:
+                        dead[key] = n - 1
+                    continue
                 self.pool.release(key)
 
     def reset(self) -> bool:
@@ -305,7 +354,11 @@ class Hierarchy:
     # ---- lookup internals ----------------------------------------------------------------------
 
     def _lookup(
-        self, keys: Sequence[bytes], count_offers: bool, promoting: set[bytes] | None = None
+        self,
+        keys: Sequence[bytes],
+        count_offers: bool,
+        promoting: set[bytes] | None = None,
+        stream: bool = False,
     ) -> list[Presence]:
         # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
         with self._lock:
@@ -313,10 +366,17 @@ class Hierarchy:
                 return [_MISS] * len(keys)
             host = self.pool.lookup_many(keys)
             states = [_BY_HOST_STATE[s] for s in host]
-            if promoting is not None and self._promoting:
-                promoting.update(
-                    k for k, s in zip(keys, host, strict=True) if s == _NOT_READY and k in self._promoting
-                )
+            streamed = 0  # HIT answers that are promotions in flight (counted as pending)
+            if self._promoting and (promoting is not None or stream):
+                landing = [
+                    i for i, s in enumerate(host) if s == _NOT_READY and keys[i] in self._promoting
+                ]
+                if promoting is not None:
+                    promoting.update(keys[i] for i in landing)
+                if stream:
+                    for i in landing:
+                        states[i] = _HIT
+                    streamed += len(landing)
             if count_offers and self.admit_after > 1:
                 admitted = []
                 for k in (k for k, s in zip(keys, host, strict=True) if s == _READY):
@@ -333,7 +393,7 @@ class Hierarchy:
                     if s == _ABSENT and (not bad or keys[i] not in bad)
                 ]
             if not candidates:
-                self._count_lookup(states)
+                self._count_lookup(states, streamed)
                 return states
 
         # Presence on disk is checked outside the lock (one short LMDB read transaction).
@@ -360,7 +420,13 @@ class Hierarchy:
                 key = keys[i]
                 st = self.pool.lookup_many((key,), touch=False)[0]
                 if st != _ABSENT:  # appeared meanwhile (a store, or a duplicate key)
-                    states[i] = _HIT if st == _READY else _PENDING
+                    if st == _READY:
+                        states[i] = _HIT
+                    elif stream and key in self._promoting:
+                        states[i] = _HIT
+                        streamed += 1
+                    else:
+                        states[i] = _PENDING
                     continue
                 if not room:
                     self._counts["promote_no_room"] += 1
@@ -375,23 +441,26 @@ class Hierarchy:
                     self._counts["promote_no_room"] += 1
                     continue
                 self._promoting.add(key)
+                self._tickets[key] = self._next_ticket
+                self._next_ticket += 1
                 self._on_disk.add(key)
                 promote.append((key, slots[0], chunk_group(key)))
-                states[i] = _PENDING
+                states[i] = _HIT if stream else _PENDING
+                streamed += stream
                 if promoting is not None:
                     promoting.add(key)
             if promote:
                 self._counts["promotions_started"] += len(promote)
                 # Scheduled under the lock so that close() cannot slip in between.
                 self._loop.call_soon_threadsafe(self._start_promotions, promote)
-            self._count_lookup(states)
+            self._count_lookup(states, streamed)
         return states
 
-    def _count_lookup(self, states: list[Presence]) -> None:
+    def _count_lookup(self, states: list[Presence], streamed: int = 0) -> None:
         c = self._counts
         c["lookups"] += len(states)
-        c["lookup_hits"] += states.count(_HIT)
-        c["lookup_pending"] += states.count(_PENDING)
+        c["lookup_hits"] += states.count(_HIT) - streamed
+        c["lookup_pending"] += states.count(_PENDING) + streamed
 
     def _offer(self, key: bytes) -> None:
         offers = self._offers
@@ -501,6 +570,9 @@ class Hierarchy:
             )
         with self._lock:
             self._promoting.discard(key)
+            ticket = self._tickets.pop(key)
+            # The board is written before a failed slot can be handed out again (under the lock).
+            self.slab.landed[slot] = ticket << 1 | (not ok)
             if ok:
                 self.pool.mark_ready(key)
                 self.pool.release(key)
@@ -508,6 +580,11 @@ class Hierarchy:
                 self._counts["read_bytes"] += self._chunk_bytes(key)
             else:
                 self._on_disk.discard(key)
+                # Streamed loads pinned this entry: their complete_load must not release
+                # whatever entry the key gets next.
+                pins = self.pool.refs(key) - 1
+                if pins > 0:
+                    self._dead_pins[key] = self._dead_pins.get(key, 0) + pins
                 self.pool.discard(key)
                 self._bad.add(key)
                 self._counts["promotions_failed"] += 1
@@ -569,6 +646,7 @@ _COUNTERS = (
     "store_no_room",
     "store_unknown",
     "loads_prepared",
+    "loads_streamed",
     "promotions_started",
     "promotions_completed",
     "promotions_failed",

@@ -71,6 +71,10 @@ class HostSlab:
         self.slot_bytes = int(slot_bytes)
         self.num_slots = int(num_slots)
         self.nbytes = self.slot_bytes * self.num_slots
+        # After the slots, one int64 per slot: the landing board of streamed loads (see
+        # ``landed``), on its own pages so pinning and the slot views never cover it.
+        board_bytes = -(-self.num_slots * 8 // PAGE) * PAGE
+        self.file_bytes = self.nbytes + board_bytes
         self._registered: list[int] = []
         self._tensor: torch.Tensor | None = None
 
@@ -84,29 +88,37 @@ class HostSlab:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" for sweep_stale_slabs, until close()
             size = os.fstat(fd).st_size
-            fresh = size != self.nbytes
+            fresh = size != self.file_bytes
             if fresh:
                 if not create and size != 0:
                     raise ValueError(
                         f"host slab {self.path} holds {size} bytes, expected "
-                        f"{self.num_slots} x {self.slot_bytes} = {self.nbytes}"
+                        f"{self.num_slots} x {self.slot_bytes} = {self.nbytes} and a "
+                        f"{self.file_bytes - self.nbytes}-byte landing board"
                     )
-                os.ftruncate(fd, self.nbytes)
+                os.ftruncate(fd, self.file_bytes)
             try:
                 # Reserve the memory now: on tmpfs an over-committed slab would otherwise SIGBUS
                 # at first touch of a page, in the middle of a transfer.
-                os.posix_fallocate(fd, 0, self.nbytes)
+                os.posix_fallocate(fd, 0, self.file_bytes)
             except OSError as exc:
                 raise MemoryError(
-                    f"cannot reserve {self.nbytes} bytes for host slab {self.path}: {exc}"
+                    f"cannot reserve {self.file_bytes} bytes for host slab {self.path}: {exc}"
                 ) from exc
-            self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+            self._mmap = mmap.mmap(fd, self.file_bytes, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
         self._fd: int | None = fd
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8, count=self.nbytes).reshape(
             self.num_slots, self.slot_bytes
+        )
+        # Per slot, the last promotion that finished in it: ``ticket << 1 | failed``. Written by
+        # the scheduler process once the slot's bytes are final, read by workers that were
+        # handed a load before the data landed (``Hierarchy.prepare_streamed_load``). Aligned
+        # int64 stores and loads are single accesses on x86-64 and AArch64.
+        self.landed = np.frombuffer(
+            self._mmap, dtype=np.int64, count=self.num_slots, offset=self.nbytes
         )
         self._pretouch(fresh)
 
@@ -151,9 +163,9 @@ class HostSlab:
         if self._tensor is None:
             import torch
 
-            self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8).view(
-                self.num_slots, self.slot_bytes
-            )
+            self._tensor = torch.frombuffer(
+                self._mmap, dtype=torch.uint8, count=self.nbytes
+            ).view(self.num_slots, self.slot_bytes)
         return self._tensor
 
     @property
@@ -224,6 +236,7 @@ class HostSlab:
         self.unpin()
         self._tensor = None
         self.array = np.empty((0, self.slot_bytes), dtype=np.uint8)
+        self.landed = np.zeros(0, dtype=np.int64)
         try:
             self._mmap.close()
         except BufferError:

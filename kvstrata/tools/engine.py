@@ -57,6 +57,9 @@ class EngineOptions:
     host_bytes: int = 256 << 20
     # Further ``kv_connector_extra_config`` keys (kvstrata.connector.config.StrataConfig).
     extra_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's kv_load_failure_policy for kvstrata: "recompute" streams disk hits, "fail" (vLLM's
+    # default) makes kvstrata verify every chunk before it answers a hit.
+    kv_load_failure_policy: str = "recompute"
     kv_cache_memory_bytes: int = 256 << 20
     max_model_len: int = 8192
     max_num_batched_tokens: int | None = None
@@ -79,8 +82,14 @@ class EngineOptions:
 
 
 def strata_transfer_config(store: str | os.PathLike[str] | None, *, host_bytes: int,
+                           kv_load_failure_policy: str = "recompute",
                            **extra: Any) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that loads kvstrata (the same dict a user passes)."""
+    """The ``kv_transfer_config`` that loads kvstrata (the same dict a user passes).
+
+    ``kv_load_failure_policy="recompute"`` (the default here): a cache load that fails (a record
+    found corrupt once its load began) recomputes the request instead of failing it, and lets
+    kvstrata stream disk hits (``stream_loads``).
+    """
     options: dict[str, Any] = {"host_bytes": host_bytes, **extra}
     if store is not None:
         options["store_path"] = str(store)
@@ -88,6 +97,7 @@ def strata_transfer_config(store: str | os.PathLike[str] | None, *, host_bytes: 
         "kv_connector": "StrataConnector",
         "kv_connector_module_path": "kvstrata.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": kv_load_failure_policy,
         "kv_connector_extra_config": options,
     }
 
@@ -112,7 +122,8 @@ def build_llm(opts: EngineOptions) -> LLM:
     }
     if opts.store is not None:
         kwargs["kv_transfer_config"] = strata_transfer_config(
-            opts.store, host_bytes=opts.host_bytes, **opts.extra_config)
+            opts.store, host_bytes=opts.host_bytes,
+            kv_load_failure_policy=opts.kv_load_failure_policy, **opts.extra_config)
     for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "dtype",
                  "speculative_config", "distributed_executor_backend"):
         value = getattr(opts, name)

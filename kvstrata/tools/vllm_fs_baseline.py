@@ -65,6 +65,8 @@ def fs_transfer_config(root_dir: str, *, cpu_bytes: int, **extra: Any) -> dict[s
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
+        # As kvstrata's (tools/engine.py): the same engine settings for both contenders.
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "spec_name": SPEC_NAME,
             "spec_module_path": SPEC_MODULE,

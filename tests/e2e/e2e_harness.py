@@ -82,6 +82,10 @@ def _llama_with_eagle(out: Path, seed: int) -> Path:
 
 CASES: dict[str, ModelCase] = {
     "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), serves_prompt_tails=True),
+    # Under vLLM's default kv_load_failure_policy ("fail") kvstrata does not stream: every chunk
+    # is read and verified before a hit is answered, so the corrupt record is a plain miss.
+    "llama_verify_first": ModelCase("llama_verify_first", lambda d, s: models.make_tiny_llama(d, seed=s),
+                                    engine={"kv_load_failure_policy": "fail"}, serves_prompt_tails=True),
     "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s), serves_prompt_tails=True),
     # GDN blocks are storable only when prefill chunks end on the 384-token block. One sequence
     # per step: CPU GDN runs only in bf16, where a request's numerics depend on what else is in

@@ -72,6 +72,13 @@ def test_corrupt_record_is_detected_missed_and_recomputed(scenario: Scenario) ->
     # The chunks from the corrupted one on could not be served: fewer hits than a clean store,
     # but the chunks before it (and the other prompts) still were.
     assert 0 < kvstrata_hits(after) < kvstrata_hits(clean), dump(after["metrics"])
+    # Streamed loads (kv_load_failure_policy "recompute") found it corrupt after the hit was
+    # answered: the load failed and vLLM recomputed. Verified first ("fail"), no load failed.
+    failures = metric(after, "kvstrata_load_failures")
+    if scenario.case.engine.get("kv_load_failure_policy") == "fail":
+        assert failures == 0, dump(after["metrics"])
+    else:
+        assert failures >= 1, dump(after["metrics"])
     # The bad record is gone or was rewritten from the recomputed KV; either way it decodes.
     present, decoded, corrupt = read_record(scenario.store, key)
     assert not present or (decoded is not None and corrupt == 0)

@@ -120,7 +120,8 @@ def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path
     lookups = []
     real_lookup = hierarchy.lookup_many
     monkeypatch.setattr(hierarchy, "lookup_many",
-                        lambda keys, promoting=None: lookups.append(len(keys)) or real_lookup(keys, promoting))
+                        lambda keys, promoting=None, **kw: lookups.append(len(keys))
+                        or real_lookup(keys, promoting, **kw))
     idle_waits = []
     real_wait = hierarchy.wait_promotions
 
@@ -149,6 +150,92 @@ def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path
     assert any(done for _, done in idle_waits)  # the wait ended when the promotions landed
     # The lookup ran when the request arrived and once more after its chunks landed, not per step.
     assert len(lookups) <= 3, lookups
+
+
+def _slow_disk_reads(monkeypatch, seconds: float) -> None:
+    import time
+
+    from kvstrata.tiers.disk import DiskStore
+
+    real_get_into = DiskStore.get_into
+
+    def slow_get_into(self, key, out):
+        time.sleep(seconds)
+        return real_get_into(self, key, out)
+
+    monkeypatch.setattr(DiskStore, "get_into", slow_get_into)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "verified-first"])
+def test_disk_hit_is_loaded_while_its_chunks_land(runners, tmp_path: Path, monkeypatch, stream) -> None:
+    """Under kv_load_failure_policy="recompute" (this harness) loads stream: the restarted
+    engine's first request gets its load job in its first step, while the promotions still run,
+    and the worker copies each chunk as it lands. With ``stream_loads`` off the hit is answered
+    only once every chunk landed. Either way every loaded page is byte-checked."""
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(_prompt(96), 1)
+    first.close()
+    second = runners([G("full", 16)], store=store, extra={"stream_loads": stream})
+    _slow_disk_reads(monkeypatch, 0.03)
+    hierarchy = second.connector.scheduler.hierarchy
+    req = second.add(_prompt(96), 1)
+    second.step()
+    in_flight = hierarchy.stats()["promotions_inflight"]
+    assert in_flight > 0
+    assert (req.request_id in second.loaded_tokens) is stream
+    second.run_until_idle()
+    assert second.loaded_tokens[req.request_id] == 96
+    assert second.load_errors == []
+    st = hierarchy.stats()
+    assert st["loads_streamed"] == (6 if stream else 0)
+    assert st["host"]["referenced"] == 0 and st["host"]["not_ready"] == 0
+    assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["load_failures"] == 0
+
+
+def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
+        runners, tmp_path: Path, monkeypatch) -> None:
+    """A record found corrupt after its streamed load began: the load fails, vLLM (policy
+    "recompute") resets the request, and its next lookup serves only the chunks before the bad
+    one — byte-checked — and never the bad chunk."""
+    import lmdb
+    from strata_harness import EOS
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvstrata.connector import semantics
+
+    store = tmp_path / "persist"
+    prompt = _prompt(96)
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    sched = first.connector.scheduler
+    params = SamplingParams(max_tokens=1)
+    params.update_from_generation_config({}, EOS)
+    probe = Request(request_id="probe", prompt_token_ids=prompt, sampling_params=params,
+                    pooling_params=None, block_hasher=first._hasher)
+    keys = list(semantics.chunk_keys(probe.block_hashes, sched.layout.groups[0]))
+    bad = sched.hierarchy.namespaces[0] + keys[3]
+    first.close()
+    with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
+        payload = raw.open_db(b"payload", txn=txn)
+        frame = bytearray(txn.get(bad, db=payload))
+        frame[len(frame) // 2] ^= 0xFF
+        txn.put(bad, bytes(frame), db=payload)
+
+    second = runners([G("full", 16)], store=store)
+    _slow_disk_reads(monkeypatch, 0.02)
+    req = second.add(prompt, 1)
+    second.step()
+    assert req.request_id in second.loaded_tokens  # streamed: answered before the reads ended
+    second.run_until_idle()
+    assert second.load_errors == []
+    assert second.stats.data["load_failures"] == 1
+    assert second.loaded_tokens[req.request_id] == 48  # the retry: chunks 0-2, never chunk 3
+    # Only what was served counts: the retry's 48 tokens, not the failed load's 96.
+    assert second.stats.data["hit_tokens"] == 48 == second.stats.data["hit_tokens_disk"]
+    assert second.connector.scheduler.hierarchy.stats()["promotions_failed"] == 1
+    assert req.is_finished()
 
 
 def test_reset_with_transfers_in_flight_releases_their_slots(runners) -> None:

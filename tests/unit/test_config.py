@@ -64,3 +64,22 @@ def test_values_are_converted() -> None:
 def test_bad_options_name_the_key(extra: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         StrataConfig.from_extra_config(extra)
+
+
+@pytest.mark.parametrize(
+    ("value", "policy", "streams"),
+    [("auto", "recompute", True), ("auto", "fail", False), (True, "recompute", True),
+     ("false", "recompute", False), (False, "fail", False)],
+)
+def test_stream_loads_follows_the_load_failure_policy(value: object, policy: str, streams: bool) -> None:
+    cfg = StrataConfig.from_extra_config({"stream_loads": value})
+    assert cfg.resolve_stream_loads(policy) is streams
+
+
+def test_stream_loads_true_is_refused_when_a_failed_load_would_fail_the_request() -> None:
+    cfg = StrataConfig.from_extra_config({"stream_loads": "true"})
+    with pytest.raises(ConfigError, match="stream_loads.*kv_load_failure_policy.*'fail'"):
+        cfg.resolve_stream_loads("fail")
+    with pytest.raises(ConfigError, match="stream_loads"):
+        StrataConfig.from_extra_config({"stream_loads": "sometimes"})
+
