@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -107,6 +108,14 @@ def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, list[Any], Pa
     return hierarchy, [c for c in (disk, slab) if c is not None], session_dir
 
 
+def _lower_switch_interval(seconds: float | None) -> None:
+    """Lower this process's GIL switch interval to ``seconds`` (see StrataConfig)."""
+    if seconds is not None and sys.getswitchinterval() > seconds:
+        logger.info("kvstrata: Python switch interval %.4fs -> %.4fs (disk read threads)",
+                    sys.getswitchinterval(), seconds)
+        sys.setswitchinterval(seconds)
+
+
 class StrataConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstrata as a vLLM 0.32 KV connector (``kv_role="kv_both"``)."""
 
@@ -123,6 +132,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             from kvstrata.connector.scheduler import StrataScheduler
 
             hierarchy, self._owned, self._session_dir = build_hierarchy(self.plan, self.cfg)
+            _lower_switch_interval(self.cfg.python_switch_interval_s)
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
             try:
                 stream_loads = self.cfg.resolve_stream_loads(policy)

@@ -83,3 +83,23 @@ def test_stream_loads_true_is_refused_when_a_failed_load_would_fail_the_request(
     with pytest.raises(ConfigError, match="stream_loads"):
         StrataConfig.from_extra_config({"stream_loads": "sometimes"})
 
+
+def test_switch_interval_is_only_ever_lowered() -> None:
+    import sys
+
+    from kvstrata.connector.connector import _lower_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        _lower_switch_interval(None)
+        assert sys.getswitchinterval() == before
+        _lower_switch_interval(before * 10)
+        assert sys.getswitchinterval() == before
+        _lower_switch_interval(before / 10)
+        assert sys.getswitchinterval() == pytest.approx(before / 10)
+    finally:
+        sys.setswitchinterval(before)
+    assert StrataConfig.from_extra_config({}).python_switch_interval_s == 0.0005
+    assert StrataConfig.from_extra_config({"python_switch_interval_s": None}).python_switch_interval_s is None
+    with pytest.raises(ConfigError, match="python_switch_interval_s"):
+        StrataConfig.from_extra_config({"python_switch_interval_s": 0})
