@@ -16,6 +16,14 @@ alike:
 * **local**: vLLM without a connector, the prompt twice in one process: the second request is
   vLLM's own in-memory prefix-cache hit, the bar a disk tier would like to match.
 
+Every engine gets the same CPU threads. On CPU, vLLM 0.32 reserves cores for the engine-core
+process and one more per worker whenever a KV connector is configured (``OMPProcessManager``), so
+by default a connectorless engine computes on fewer OpenMP threads than a connector engine (on a
+2-core machine: 1 against 2, the reservation falling back to none). A different thread count
+changes bf16 reduction order and with it greedy outputs, and the forward's speed. The benchmark
+therefore sets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (unless already set) to the connector engines'
+reservation for all three set-ups.
+
 Per prompt length, figures are medians over ``--repeats``. Bytes are what each system keeps on
 disk for the prompt: ``du`` of the fs tier's ``root_dir`` vs the stored (compressed) bytes of the
 kvstrata store's records for the model. Not a timed test: timings only go to the JSON.
@@ -55,6 +63,9 @@ MAX_MODEL_LEN = SMOLLM2_CONTEXT
 GOAL_MIN_PROMPT_TOKENS = 4096
 GOALS = {"disk_vs_vllm_fs": 0.8, "disk_vs_local": 1.0, "bytes_vs_vllm_fs": 0.7}
 KVSTRATA, VLLM_FS = "kvstrata", "vllm_fs"
+# vLLM's CPU core reservation for an engine with a KV connector and one worker: one core for the
+# engine-core process and one for the connector (vllm/utils/ompmultiprocessing.py).
+RESERVED_CPU_ENV, CONNECTOR_RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU", 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +191,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"bench e2e --vs-vllm-fs: {msg}", file=sys.stderr, flush=True)
 
     model = smollm2(args, say)
+    # The engines are child processes: they inherit this (see the module docstring).
+    os.environ.setdefault(RESERVED_CPU_ENV, str(CONNECTOR_RESERVED_CPUS))
     results: list[dict[str, Any]] = []
     with stores_parent(args.store, "kvstrata-bench-vs-vllm-") as parent:
         for requested in lengths:
@@ -212,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "repeats": repeats,
         "vllm_copy_threads": int(args.vllm_copy_threads),
+        "vllm_cpu_reserved_cpus": os.environ[RESERVED_CPU_ENV],
         "kvstrata_config": getattr(args, "kvstrata_config", None) or {},
         "results": results,
     }
