@@ -131,14 +131,11 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from kvstrata.connector.scheduler import StrataScheduler
 
+            # Checked before the store is opened: a refused option leaves nothing to close.
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
+            stream_loads = self.cfg.resolve_stream_loads(policy)
             hierarchy, self._owned, self._session_dir = build_hierarchy(self.plan, self.cfg)
             _lower_switch_interval(self.cfg.python_switch_interval_s)
-            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
-            try:
-                stream_loads = self.cfg.resolve_stream_loads(policy)
-            except BaseException:
-                hierarchy.close()
-                raise
             self._scheduler = StrataScheduler(
                 self.plan,
                 hierarchy,

@@ -238,6 +238,23 @@ def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
     assert req.is_finished()
 
 
+def test_stream_loads_true_under_the_fail_policy_is_refused_before_the_store_opens(
+        model_dir: Path, tmp_path: Path) -> None:
+    from strata_harness import kv_cache_config, vllm_config
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvstrata.connector.config import ConfigError
+    from kvstrata.connector.connector import StrataConnector
+
+    store = tmp_path / "never-opened"
+    cfg = vllm_config(model_dir, store, block_size=16, extra={"stream_loads": True})
+    cfg.kv_transfer_config.kv_load_failure_policy = "fail"
+    with set_current_vllm_config(cfg), pytest.raises(ConfigError, match="stream_loads"):
+        StrataConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config([G("full", 16)], 64))
+    assert not store.exists()
+
+
 def test_reset_with_transfers_in_flight_releases_their_slots(runners) -> None:
     """reset_prefix_cache() while stores are in flight: when they finish their slots are given
     back (not left pinned and "being stored" forever) and their KV is not served."""
