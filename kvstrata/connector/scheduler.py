@@ -103,7 +103,7 @@ class StrataScheduler:
         # Disk hits are answered before their chunks landed and loaded as they land (see
         # Hierarchy.prepare_streamed_load); only under kv_load_failure_policy="recompute".
         self.stream_loads = stream_loads
-        self._streaming: dict[int, list[bytes]] = {}  # streamed load job -> its keys
+        self._streaming: set[int] = set()  # streamed load jobs (their keys: self._jobs)
         self.layout = plan.layout
         self.hierarchy = hierarchy
         self.offload_prompt_only = offload_prompt_only
@@ -305,7 +305,7 @@ class StrataScheduler:
         self._jobs[job_id].hit = (num_external, disk_tokens)
         self._loads.append(TransferJob(job_id, request.request_id, False, copies))
         if any(c.ticket > 0 for c in copies):
-            self._streaming[job_id] = keys
+            self._streaming.add(job_id)
         if self._being_loaded is not None:
             self._being_loaded.update(keys)
         self.stats.load_jobs += 1
@@ -417,8 +417,8 @@ class StrataScheduler:
                 continue
             keys.extend(st.awaiting)
         # Streamed loads wait on their chunks' promotions in the workers: the same wait applies.
-        for keys_of_job in self._streaming.values():
-            keys.extend(keys_of_job)
+        for job_id in self._streaming:
+            keys.extend(self._jobs[job_id].keys)
         if keys:
             self.hierarchy.wait_promotions(keys, IDLE_WAIT_S)
 
@@ -640,7 +640,7 @@ class StrataScheduler:
                 self.stats.store_failures += 1
         else:
             self.hierarchy.complete_load(job.keys)
-            self._streaming.pop(job_id, None)
+            self._streaming.discard(job_id)
             if self._being_loaded:
                 self._being_loaded.difference_update(job.keys)
             if ok:
