@@ -9,9 +9,15 @@ functions. Each wrapped function reports calls, busy seconds (summed over thread
 the first token. Python-level wrappers add a few microseconds per call; the per-block functions
 are called at most a few thousand times, so the overhead stays in the low milliseconds.
 
-With vLLM's multiprocess engine (the benchmark's default) the scheduler, the connector and the
-model run in the engine-core process, which vLLM spawns: it imports this module as its main
-module, installs the same wrappers there and hands its events back in a file when it shuts down.
+``cpu_s`` says where the machine's CPU went while the load ran (arrival to the first computing
+forward) and during that forward: CPU seconds per thread of each vLLM process (kvstrata's read
+pool, its landing copier, vLLM's main loops) and per other process. Each of its four snapshots
+costs about 1 ms on the request's path.
+
+With vLLM's multiprocess engine (the benchmark's default) the scheduler and the connector's
+scheduler side run in the engine-core process, the model and the connector's worker side in a
+worker process it starts. vLLM spawns both: each imports this module as its main module, installs
+the same wrappers there and hands its events back in a file when it shuts down.
 
 ``python -m kvstrata.tools.profile_disk_ttft --system vllm_fs --prompt-tokens 8192``
 """
@@ -23,6 +29,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -87,6 +94,7 @@ SYSTEM_TARGETS = {
 _MODULE = "kvstrata.tools.profile_disk_ttft"
 _ARRIVAL = "Scheduler.add_request"
 _FORWARD = "CPUModelRunner.execute_model"
+_SCHEDULE = "Scheduler.schedule"
 # Set by the profiling child for the engine-core process vLLM spawns: where to leave its events,
 # and what to wrap there.
 _EVENTS_DIR_ENV = "KVSTRATA_PROFILE_EVENTS_DIR"
@@ -96,6 +104,54 @@ _events: list[tuple[str, float, float, int]] = []  # (target, start, end, schedu
 _events_lock = threading.Lock()
 _majflt_at_arrival = [0]  # major page faults of this process when the request arrived
 _read_at_arrival = [0]  # bytes this process had read from storage then
+# CPU snapshots (label, perf_counter time, pid, CPU seconds by row) at the request's arrival, at
+# the model's first step after an idle gap, when a computing step is scheduled and around each
+# computing forward; vLLM runs the scheduler and the model in separate processes, so each process
+# marks its own edges and the profiling child lines them up by time.
+_cpu_marks: list[tuple[str, float, int, dict[str, float]]] = []
+_last_forward_end = [0.0]  # a forward after an idle gap is the first step of a new request
+
+
+def _comm(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _cpu_snapshot() -> dict[str, float]:
+    """CPU seconds so far: this process's threads (Python name, else the kernel's, numbered
+    suffixes folded so a pool is one row) and every other process. Per-thread and per-process
+    CPU clocks (``clock_gettime`` on ``(~id << 3) | 6`` and ``| 2``) count in nanoseconds, where
+    /proc's tick counters only resolve 10 ms."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    me = os.getpid()
+    own = _comm("/proc/self/comm")
+    out: dict[str, float] = {}
+    for entry in os.listdir("/proc/self/task"):
+        tid = int(entry)
+        try:
+            cpu = time.clock_gettime((~tid << 3) | 6)
+        except OSError:
+            continue
+        name = names.get(tid) or _comm(f"/proc/self/task/{tid}/comm")
+        label = f"{own}[{me}] thread " + re.sub(r"[_-]\d+$", "", name)
+        out[label] = out.get(label, 0.0) + cpu
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            cpu = time.clock_gettime((~int(entry) << 3) | 2)
+        except OSError:
+            continue
+        out[f"process {_comm(f'/proc/{entry}/comm')}[{entry}]"] = cpu
+    return out
+
+
+def _mark_cpu(label: str) -> None:
+    t = time.perf_counter()
+    _cpu_marks.append((label, t, os.getpid(), _cpu_snapshot()))
 
 
 def _read_bytes() -> int:
@@ -110,23 +166,51 @@ def _read_bytes() -> int:
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     forward, arrival = name == _FORWARD, name == _ARRIVAL
 
+    if name == _SCHEDULE:
+        return _wrap_schedule(fn)
+
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         if arrival:
             _majflt_at_arrival[0] = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             _read_at_arrival[0] = _read_bytes()
+            _mark_cpu("arrival")
+        # For the forward: how many tokens it computes (0 = a step with nothing scheduled).
+        tokens = getattr(args[1], "total_num_scheduled_tokens", -1) \
+            if forward and len(args) > 1 else -1
+        if forward and time.perf_counter() - _last_forward_end[0] > 0.05:
+            _mark_cpu("step")
+        if tokens > 0:
+            _mark_cpu("forward_start")
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             t1 = time.perf_counter()
-            # For the forward: how many tokens it computed (0 = a step with nothing scheduled).
-            tokens = getattr(args[1], "total_num_scheduled_tokens", -1) \
-                if forward and len(args) > 1 else -1
+            if tokens > 0:
+                _mark_cpu("forward_end")
+            if forward:
+                _last_forward_end[0] = time.perf_counter()
             with _events_lock:
                 _events.append((name, t0, t1, tokens))
 
     return timed
+
+
+def _wrap_schedule(fn: Callable[..., Any]) -> Callable[..., Any]:
+
+    @functools.wraps(fn)
+    def scheduled(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        t1 = time.perf_counter()
+        if getattr(out, "total_num_scheduled_tokens", 0) > 0:
+            _mark_cpu("compute_scheduled")
+        with _events_lock:
+            _events.append((_SCHEDULE, t0, t1, -1))
+        return out
+
+    return scheduled
 
 
 def install(targets: tuple[str, ...]) -> list[str]:
@@ -159,7 +243,7 @@ def _dump_events(out_dir: Path) -> None:
     read = _read_bytes() - _read_at_arrival[0]
     tmp = out_dir / f".{os.getpid()}.json"
     tmp.write_text(json.dumps({"events": events, "major_faults": majflt,
-                               "storage_read_bytes": read}))
+                               "storage_read_bytes": read, "cpu_marks": _cpu_marks}))
     tmp.rename(out_dir / f"{os.getpid()}.json")
 
 
@@ -198,6 +282,7 @@ def _merge_engine_core_events(out_dir: Path) -> dict[str, int]:
             _events.extend(tuple(e) for e in data["events"])
         for k in totals:
             totals[k] += int(data[k])
+        _cpu_marks.extend(tuple(m) for m in data.get("cpu_marks", ()))
     return totals
 
 
@@ -234,6 +319,53 @@ def summarise(ttft_s: float) -> dict[str, Any]:
             for k, row in sorted(out.items(), key=lambda kv: kv[1]["first_s"])}
 
 
+def cpu_breakdown(min_s: float = 0.002) -> dict[str, Any]:
+    """CPU seconds used while the load ran (the request's arrival to its first computing forward)
+    and during that forward: per thread of each vLLM process that marked its edges, and per other
+    process on the machine, largest first."""
+    arrivals = [m for m in _cpu_marks if m[0] == "arrival"]
+    if not arrivals:
+        return {}
+    t0 = arrivals[-1][1]
+    marks = sorted(_cpu_marks, key=lambda m: m[1])
+    later = [m for m in marks if m[1] >= t0 - 0.01]
+    reporting = {m[2] for m in later}
+
+    def first(pid: int, labels: tuple[str, ...], after: float) -> Any:
+        return next((m for m in later if m[2] == pid and m[0] in labels and m[1] >= after), None)
+
+    windows: dict[str, dict[str, float]] = {"load": {}, "forward": {}}
+    for pid in sorted(reporting):
+        fwd = first(pid, ("compute_scheduled", "forward_start"), t0)
+        start = first(pid, ("arrival", "step"), t0 - 0.01)
+        if start is None or fwd is not None and start[1] > fwd[1]:
+            # vLLM sends the model process no empty steps: its last mark before the arrival
+            # (it idles from there, so the window only grows by idle time).
+            start = next((m for m in reversed(marks) if m[2] == pid and m[1] <= t0), None)
+        end = first(pid, ("forward_end",), t0)
+        spans = {"load": (start, fwd), "forward": (fwd, end)}
+        for window, (a, b) in spans.items():
+            if a is None or b is None:
+                continue
+            for row, cpu in b[3].items():
+                if row.startswith("process ") and row not in a[3]:
+                    continue  # started inside the window: its CPU before it is unknown
+                # Other processes once (from the process that saw the arrival), never those
+                # that report their own threads.
+                if row.startswith("process ") and (
+                        a[0] != "arrival" and window == "load" or
+                        int(row.rsplit("[", 1)[1][:-1]) in reporting):
+                    continue
+                windows[window][row] = cpu - a[3].get(row, 0.0)
+    out: dict[str, Any] = {}
+    for window, used in windows.items():
+        rows = sorted(((k, v) for k, v in used.items() if v >= min_s), key=lambda kv: -kv[1])
+        if rows:
+            out[window] = {"all_s": round(sum(max(v, 0.0) for v in used.values()), 4),
+                           **{k: round(v, 4) for k, v in rows}}
+    return out
+
+
 def _child(job_file: Path, out_file: Path) -> int:
     job = json.loads(job_file.read_text())
     targets = COMMON_TARGETS + SYSTEM_TARGETS[job["system"]]
@@ -263,7 +395,7 @@ def _child(job_file: Path, out_file: Path) -> int:
         "page_cache_dropped": any(s["op"] == "drop_page_cache" and s.get("ok")
                                   for s in result["steps"]),
         "major_faults": majflt, "storage_read_bytes": read, "token_ids": step["outputs"][0]["token_ids"],
-        "installed": installed, "timeline": summarise(ttft_s)}))
+        "installed": installed, "cpu_s": cpu_breakdown(), "timeline": summarise(ttft_s)}))
     return 0
 
 
