@@ -317,22 +317,24 @@ class StrataScheduler:
         if st.prompt_tail_hashed:
             return st.prompt_tail_keys
         req = st.req
-        start = semantics.prompt_tail_start(self.layout, req.num_prompt_tokens)
-        tph = self.layout.tokens_per_hash
-        if start is None or len(req.block_hashes) < start // tph:
-            st.prompt_tail_hashed = start is None
+        if semantics.prompt_tail_start(self.layout, req.num_prompt_tokens) is None:
+            st.prompt_tail_hashed = True  # never: no tail, or not served for this layout
             return None
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 
         if self._block_hash_fn is None:
             self._block_hash_fn = get_hash_fn_by_name(self.plan.identity.hash_algo)
-        parent = req.block_hashes[start // tph - 1] if start else None
-        extra, _ = generate_block_hash_extra_keys(req, start, req.num_prompt_tokens, 0)
-        digest = hash_block_tokens(
-            self._block_hash_fn, parent, req.all_token_ids[start : req.num_prompt_tokens], extra
-        )
-        st.prompt_tail_keys = {g.index: semantics.make_key(digest, g.index) for g in self.layout.groups}
+        hash_fn, end = self._block_hash_fn, req.num_prompt_tokens
+
+        def hash_tail(parent: bytes | None, start: int) -> bytes:
+            extra, _ = generate_block_hash_extra_keys(req, start, end, 0)
+            return hash_block_tokens(hash_fn, parent, req.all_token_ids[start:end], extra)
+
+        keys = semantics.prompt_tail_keys(self.layout, req.block_hashes, end, hash_tail)
+        if keys is None:
+            return None  # the prefix's block hashes are not all there yet
+        st.prompt_tail_keys = keys
         st.prompt_tail_hashed = True
         return st.prompt_tail_keys
 

@@ -371,11 +371,11 @@ class _StoredCheck:
             hashes.append(bytes(parent))
         layout = self.plan.layout
         chunks = {g.index: semantics.chunk_keys(hashes, g) for g in layout.groups}
-        tail = None
-        start = semantics.prompt_tail_start(layout, len(ids))
-        if start is not None:
-            digest = self._hash_block(self._hash, hashes[start // tph - 1] if start else None, ids[start:], None)
-            tail = {g.index: semantics.make_key(bytes(digest), g.index) for g in layout.groups}
+        # Plain token prompts: no LoRA, multimodal or salt extra keys.
+        tail = semantics.prompt_tail_keys(
+            layout, hashes, len(ids),
+            lambda parent, start: self._hash_block(self._hash, parent, ids[start:], None),
+        )
         return _PromptKeys(hashes, chunks, tail)
 
     def _hit(self, ids: Sequence[int], keys: _PromptKeys, store: Any | None) -> int:

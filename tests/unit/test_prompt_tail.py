@@ -14,6 +14,7 @@ from kvstrata.connector.semantics import (
     plan_load,
     plan_prompt_tail_store,
     prompt_tail_hit,
+    prompt_tail_keys,
     prompt_tail_start,
 )
 from kvstrata.presence import Presence
@@ -56,6 +57,31 @@ def test_which_layouts_serve_prompt_tails() -> None:
     assert prompt_tail_start(FA, 96) is None  # chunk-aligned: no tail
     assert prompt_tail_start(FA, 10) == 0
     assert prompt_tail_start(Layout((_fa(0, bpc=4),)), 100) == 64
+
+
+def test_tail_keys_chain_the_partial_block_to_the_hash_ending_at_its_start() -> None:
+    hashes = [bytes([i]) * 8 for i in range(6)]  # one per 16 tokens: 96 tokens covered
+    calls: list[tuple[bytes | None, int]] = []
+
+    def hash_tail(parent: bytes | None, start: int) -> bytes:
+        calls.append((parent, start))
+        return b"digest-%d" % start
+
+    keys = prompt_tail_keys(FA, hashes, 100, hash_tail)
+    assert calls == [(hashes[5], 96)]
+    assert keys == {0: b"digest-96" + (0).to_bytes(4, "big"), 1: b"digest-96" + (1).to_bytes(4, "big")}
+    calls.clear()
+    assert prompt_tail_keys(FA, hashes[:5], 100, hash_tail) is None  # hashes not there yet
+    assert prompt_tail_keys(FA, hashes, 96, hash_tail) is None  # chunk-aligned: no tail
+    assert not calls
+    # A prompt shorter than a chunk: the tail starts at 0, chained to nothing.
+    assert prompt_tail_keys(FA, [], 10, hash_tail) is not None and calls == [(None, 0)]
+    calls.clear()
+    four = Layout((_fa(0, bpc=4),))  # 64-token chunks: the tail starts at 64, after hash 3
+    prompt_tail_keys(four, hashes, 100, hash_tail)
+    assert calls == [(hashes[3], 64)]
+    assert prompt_tail_keys(Layout((_fa(0), GroupGeometry(1, GroupKind.MAMBA, 16, 1, 16))), hashes,
+                            100, hash_tail) is None  # not served for Mamba hybrids
 
 
 def test_a_complete_hit_reaching_the_tail_extends_to_the_prompt_end() -> None:

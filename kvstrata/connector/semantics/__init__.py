@@ -58,8 +58,9 @@ Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
     ``prompt_tail_start(layout, num_prompt_tokens)``: start of the prompt's partial last chunk.
     ``prompt_tail_hit(layout, *, complete_hit, num_tokens, num_prompt_tokens, local_computed,
     tail_keys, probe, ...) -> int | None``: a complete hit reaching that chunk extends to the
-    prompt's end when every group holds its tail key (the adapter hashes the partial block with
-    vLLM's ``hash_block_tokens``). ``plan_prompt_tail_store(layout, *, num_prompt_tokens,
+    prompt's end when every group holds its tail key. ``prompt_tail_keys(layout, block_hashes,
+    num_prompt_tokens, hash_tail)``: those keys (the adapter's ``hash_tail`` hashes the partial
+    block with vLLM's ``hash_block_tokens``). ``plan_prompt_tail_store(layout, *, num_prompt_tokens,
     computed_before, computed_after, block_ids, tail_keys, max_offload_tokens=None)``: the tail
     chunk of every group, in the step that completes the prompt. Loads reuse ``plan_load``'s
     ``tail_keys``.
@@ -111,6 +112,7 @@ from kvstrata.connector.semantics.lookup import (
 from kvstrata.connector.semantics.prompt_tail import (
     plan_prompt_tail_store,
     prompt_tail_hit,
+    prompt_tail_keys,
     prompt_tail_start,
 )
 from kvstrata.connector.semantics.store import (
@@ -153,6 +155,7 @@ __all__ = [
     "plan_store",
     "prefix_run",
     "prompt_tail_hit",
+    "prompt_tail_keys",
     "prompt_tail_start",
     "resolve_drafter_flags",
     "round_down",

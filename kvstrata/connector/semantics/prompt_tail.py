@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvstrata.connector.semantics.geometry import Layout, cdiv
+from kvstrata.connector.semantics.keys import make_key
 from kvstrata.connector.semantics.transfers import ChunkTransfer
 from kvstrata.presence import Presence
 
@@ -31,6 +32,28 @@ def prompt_tail_start(layout: Layout, num_prompt_tokens: int) -> int | None:
     tpc = layout.groups[0].tokens_per_chunk
     start = num_prompt_tokens - num_prompt_tokens % tpc
     return None if start == num_prompt_tokens else start
+
+
+def prompt_tail_keys(
+    layout: Layout,
+    block_hashes: Sequence[bytes],
+    num_prompt_tokens: int,
+    hash_tail: Callable[[bytes | None, int], bytes],
+) -> dict[int, bytes] | None:
+    """Per group, the key of the prompt's partial last chunk (the connector and the warm-up
+    tool name it the same way); None when the prompt has no tail served here, or while
+    ``block_hashes`` do not reach the tail's start yet.
+
+    ``hash_tail(parent, start)`` is vLLM's ``hash_block_tokens`` over the prompt's tokens from
+    ``start`` to its end, chained to ``parent`` (the hash ending at ``start``, None at 0), with the
+    extra keys (LoRA, multimodal, salt) a full block there would get.
+    """
+    start = prompt_tail_start(layout, num_prompt_tokens)
+    if start is None or len(block_hashes) < start // layout.tokens_per_hash:
+        return None
+    parent = block_hashes[start // layout.tokens_per_hash - 1] if start else None
+    digest = bytes(hash_tail(parent, start))
+    return {g.index: make_key(digest, g.index) for g in layout.groups}
 
 
 def prompt_tail_hit(
