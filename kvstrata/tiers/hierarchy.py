@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvstrata.presence import Presence
-from kvstrata.tiers.host import HostPool
+from kvstrata.tiers.host import HostPool, board_fence
 
 if TYPE_CHECKING:
     from kvstrata.tiers.disk import DiskStore
@@ -571,7 +571,9 @@ class Hierarchy:
         with self._lock:
             self._promoting.discard(key)
             ticket = self._tickets.pop(key)
-            # The board is written before a failed slot can be handed out again (under the lock).
+            # The board is written before a failed slot can be handed out again (under the lock),
+            # and after the slot's bytes (the read thread's writes) are visible everywhere.
+            board_fence()
             self.slab.landed[slot] = ticket << 1 | (not ok)
             if ok:
                 self.pool.mark_ready(key)

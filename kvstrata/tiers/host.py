@@ -17,6 +17,7 @@ import mmap
 import os
 import stat
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence, Set
@@ -35,6 +36,22 @@ _MADV_POPULATE_WRITE = 23
 # cudaHostRegister is called in pieces (as vLLM does) because very large single registrations
 # have been seen to fail on some drivers.
 _REGISTER_PIECE = 64 << 30
+
+
+_fence_lock = threading.Lock()
+
+
+def board_fence() -> None:
+    """A full memory barrier around the landing board (``HostSlab.landed``).
+
+    The scheduler process fences between a slot's last byte and the board store that publishes
+    it; a worker fences between reading the board and reading the slot. x86-64 keeps stores and
+    loads in order anyway; AArch64 does not, and the board is plain shared memory. Taking and
+    dropping a lock orders memory on the platforms CPython runs on (glibc's semaphore and mutex
+    paths use sequentially consistent atomics); vLLM's shared-memory queue fences the same way.
+    """
+    with _fence_lock:
+        pass
 
 
 def default_slab_path(name: str) -> str:
@@ -116,7 +133,8 @@ class HostSlab:
         # Per slot, the last promotion that finished in it: ``ticket << 1 | failed``. Written by
         # the scheduler process once the slot's bytes are final, read by workers that were
         # handed a load before the data landed (``Hierarchy.prepare_streamed_load``). Aligned
-        # int64 stores and loads are single accesses on x86-64 and AArch64.
+        # int64 stores and loads are single accesses on x86-64 and AArch64; both sides order
+        # them against the slot's bytes with ``board_fence``.
         self.landed = np.frombuffer(
             self._mmap, dtype=np.int64, count=self.num_slots, offset=self.nbytes
         )

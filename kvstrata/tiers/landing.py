@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstrata.tiers.host import board_fence
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.001  # board scan interval while a job waits: about one chunk copy
@@ -168,6 +170,7 @@ class LandingWaiter:
         """Copy what landed; True when the job is complete, False when it failed, else None."""
         open_ = np.flatnonzero(~job.done)
         seen = self._board[job.slots[open_]]
+        board_fence()  # no read of a slot below may see bytes older than its board entry
         tickets = job.tickets[open_]
         ended = (tickets == 0) | ((seen >> 1) >= tickets)
         if (ended & (tickets > 0) & (seen != tickets << 1)).any():
