@@ -103,7 +103,7 @@ def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, list[Any], Pa
         admit_after=cfg.admission,
         max_deferred_bytes=cfg.max_disk_write_backlog_bytes,
         max_concurrent_reads=cfg.prefetch_concurrency,
-        read_threads=cfg.io_threads,
+        read_threads=cfg.resolve_io_threads(),
     )
     return hierarchy, [c for c in (disk, slab) if c is not None], session_dir
 

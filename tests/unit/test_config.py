@@ -59,6 +59,8 @@ def test_values_are_converted() -> None:
         ({"admission": 0}, "admission"),
         ({"max_age_s": -1}, "max_age_s"),
         ({"eviction": "fifo"}, "eviction"),
+        ({"io_threads": 0}, "io_threads"),
+        ({"io_threads": "many"}, "io_threads.*auto"),
     ],
 )
 def test_bad_options_name_the_key(extra: dict, named: str) -> None:
@@ -82,6 +84,18 @@ def test_stream_loads_true_is_refused_when_a_failed_load_would_fail_the_request(
         cfg.resolve_stream_loads("fail")
     with pytest.raises(ConfigError, match="stream_loads"):
         StrataConfig.from_extra_config({"stream_loads": "sometimes"})
+
+
+def test_io_threads_auto_is_one_per_usable_core_at_most_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstrata.connector.config as config
+
+    cfg = StrataConfig.from_extra_config({})
+    assert cfg.io_threads == "auto"
+    for cores, threads in ((1, 1), (2, 2), (3, 3), (4, 4), (64, 4)):
+        monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert cfg.resolve_io_threads() == threads
+    # An explicit count is taken as given, whatever the cores.
+    assert StrataConfig.from_extra_config({"io_threads": "6"}).resolve_io_threads() == 6
 
 
 def test_switch_interval_is_only_ever_lowered() -> None:
