@@ -14,7 +14,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, TransferJob
 from kvstrata.connector.plan import KVPlan
-from kvstrata.tiers.device import DeviceStager
+from kvstrata.tiers.device import DeviceStager, allow_amx_tiles
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.landing import LandingWaiter
 
@@ -37,7 +37,7 @@ class StrataWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         plan = self.plan
         if any(t.device.type == "cpu" for t in kv_caches.values()):
-            _allow_amx()
+            allow_amx_tiles()
         self.slab = HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
         self.slab.pin()
         # The stager indexes groups by position: give it every group of the engine (a chunk
@@ -156,17 +156,3 @@ def _page_bytes_or(plan: KVPlan, index: int, kv_caches: dict[str, torch.Tensor],
             return g.page_bytes
     t = kv_caches[layers[0]]
     return t[0].numel() * t.element_size()
-
-
-def _allow_amx() -> None:
-    """Ask Linux for the AMX tile state before vLLM's CPU attention uses it.
-
-    vLLM 0.32.0's CPU attention runs AMX kernels (bf16, block sizes a multiple of 32) but never
-    requests the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); torch's large GEMMs request
-    it lazily.
-    An engine whose first attention batch is all single-token queries therefore dies with SIGILL:
-    a 1-token prompt does it without kvstrata, and so does a restarted engine whose first request
-    kvstrata serves whole (the engine recomputes only its last token).
-    """
-    if torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()

@@ -37,6 +37,20 @@ NULL_BLOCK = 0
 _memmove = ctypes.memmove
 
 
+def allow_amx_tiles() -> None:
+    """Ask Linux for the AMX tile state before vLLM's CPU attention uses it (CPU engines).
+
+    vLLM 0.32.0's CPU attention runs AMX kernels (bf16, block sizes a multiple of 32) but never
+    requests the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); torch's large GEMMs request
+    it lazily. An engine whose first attention batch is all single-token queries therefore dies
+    with SIGILL: a 1-token prompt does it without any connector, and so does a restarted engine
+    whose first request a KV tier serves whole (the engine recomputes only its last token) --
+    kvstrata's, or vLLM's fs tier in the benchmark's baseline. A no-op without AMX.
+    """
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 class Transfer(NamedTuple):
     """One chunk's part of a job: ``block_ids[i]`` <-> position ``first_block + i`` of the chunk
     in host slot ``slot``. Block id 0 (the null block) is skipped."""

@@ -27,7 +27,10 @@ and file format are vLLM's, untouched. Load it with::
 engine there is no copy engine to overlap with, the forward pass cannot start before a load has
 landed anyway, and a store reads blocks whose forward already finished. ``get_finished`` then
 reports each job in the same engine step, so no step is spent polling. The extra key
-``copy_threads`` (default 1) splits each job's copies over that many threads.
+``copy_threads`` (default 1) splits each job's copies over that many threads. Like kvstrata's
+worker, it asks for the AMX tile state vLLM's CPU attention needs (``allow_amx_tiles``): neither
+speed nor numerics change, but a restarted engine no longer dies of SIGILL when its first request
+is served whole.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvstrata.tiers.device import allow_amx_tiles
 
 SPEC_NAME = "CPUCopyTieringSpec"
 SPEC_MODULE = "kvstrata.tools.vllm_fs_baseline"
@@ -105,6 +110,9 @@ class CPUCopyWorker(OffloadingWorker):
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
                  region: SharedOffloadRegion, copy_threads: int = 1) -> None:
+        # As kvstrata's worker does: without it a restarted engine whose first request this tier
+        # serves whole dies of SIGILL in vLLM's AMX attention (tiers.device.allow_amx_tiles).
+        allow_amx_tiles()
         self._region = region
         # ctypes releases the GIL around memmove, so threads copy in parallel. The default is one
         # thread: the reference figures of issue 7 come from a single-threaded memcpy per block.
