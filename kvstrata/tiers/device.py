@@ -44,8 +44,9 @@ def allow_amx_tiles() -> None:
     requests the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); torch's large GEMMs request
     it lazily. An engine whose first attention batch is all single-token queries therefore dies
     with SIGILL: a 1-token prompt does it without any connector, and so does a restarted engine
-    whose first request a KV tier serves whole (the engine recomputes only its last token) --
-    kvstrata's, or vLLM's fs tier in the benchmark's baseline. A no-op without AMX.
+    whose first request a KV tier serves whole (the engine recomputes only its last token).
+    Engines served in part by vLLM's fs tier (the benchmark's baseline) died of it now and then
+    too. A no-op without AMX.
     """
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()

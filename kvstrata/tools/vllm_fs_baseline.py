@@ -29,8 +29,7 @@ landed anyway, and a store reads blocks whose forward already finished. ``get_fi
 reports each job in the same engine step, so no step is spent polling. The extra key
 ``copy_threads`` (default 1) splits each job's copies over that many threads. Like kvstrata's
 worker, it asks for the AMX tile state vLLM's CPU attention needs (``allow_amx_tiles``): neither
-speed nor numerics change, but a restarted engine no longer dies of SIGILL when its first request
-is served whole.
+speed nor numerics change, but a restarted engine no longer dies of SIGILL at its first request.
 """
 
 from __future__ import annotations
@@ -110,8 +109,8 @@ class CPUCopyWorker(OffloadingWorker):
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
                  region: SharedOffloadRegion, copy_threads: int = 1) -> None:
-        # As kvstrata's worker does: without it a restarted engine whose first request this tier
-        # serves whole dies of SIGILL in vLLM's AMX attention (tiers.device.allow_amx_tiles).
+        # As kvstrata's worker does: without it a restarted engine can die of SIGILL at its first
+        # request, in vLLM's AMX attention (tiers.device.allow_amx_tiles).
         allow_amx_tiles()
         self._region = region
         # ctypes releases the GIL around memmove, so threads copy in parallel. The default is one

@@ -37,8 +37,9 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(opts: EngineOptions, steps: list[dict[str, Any]], log: Path) -> dict[str, dict[str, Any]]:
-    # The restarted engine's first request is served whole from the fs tier: it used to die of
-    # SIGILL in vLLM's AMX attention now and then, before CPUCopyWorker asked for the AMX state.
+    # The restarted engine's first request comes mostly from the fs tier: its first attention ran
+    # vLLM's AMX kernels before torch had asked for the AMX state, and now and then died of
+    # SIGILL, until CPUCopyWorker asked for it at start.
     result = run_job_subprocess({"engine": asdict(opts), "steps": steps}, timeout_s=240.0,
                                 log_path=log)
     return {s["name"]: s for s in result["steps"] if s["op"] == "generate"}
