@@ -124,11 +124,6 @@ class LandingWaiter:
                 pass
         return [j.job_id for j in hit]
 
-    @property
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._jobs)
-
     def close(self) -> None:
         """Stop watching; jobs still waiting fail."""
         with self._cond:
