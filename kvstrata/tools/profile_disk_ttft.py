@@ -319,6 +319,21 @@ def summarise(ttft_s: float) -> dict[str, Any]:
             for k, row in sorted(out.items(), key=lambda kv: kv[1]["first_s"])}
 
 
+def window_events(ttft_s: float) -> list[list[Any]]:
+    """Every wrapped call that started between the request's arrival and its first token, in
+    start order: ``[target, start_s, seconds]`` relative to the arrival (the hand-offs between
+    processes and threads, which the per-target summary folds away)."""
+    with _events_lock:
+        events = list(_events)
+    arrivals = [e for e in events if e[0] == _ARRIVAL]
+    if not arrivals:
+        return []
+    t0 = arrivals[-1][1]
+    return [[name, round(s - t0, 5), round(e - s, 5)]
+            for name, s, e, _ in sorted(events, key=lambda e: e[1])
+            if name != _ARRIVAL and t0 <= s <= t0 + ttft_s]
+
+
 def cpu_breakdown(min_s: float = 0.002) -> dict[str, Any]:
     """CPU seconds used while the load ran (the request's arrival to its first computing forward)
     and during that forward: per thread of each vLLM process that marked its edges, and per other
@@ -395,7 +410,8 @@ def _child(job_file: Path, out_file: Path) -> int:
         "page_cache_dropped": any(s["op"] == "drop_page_cache" and s.get("ok")
                                   for s in result["steps"]),
         "major_faults": majflt, "storage_read_bytes": read, "token_ids": step["outputs"][0]["token_ids"],
-        "installed": installed, "cpu_s": cpu_breakdown(), "timeline": summarise(ttft_s)}))
+        "installed": installed, "cpu_s": cpu_breakdown(), "timeline": summarise(ttft_s),
+        "events": window_events(ttft_s)}))
     return 0
 
 
@@ -435,6 +451,9 @@ def profile(system: str, args: argparse.Namespace, store: Path) -> dict[str, Any
         res = json.loads(out_file.read_text())
     cold = first["steps"][0]["outputs"][0]
     res["outputs_identical"] = res.pop("token_ids") == cold["token_ids"]
+    events = res.pop("events")
+    if args.events:
+        res["events"] = events
     return {"system": system, "prompt_tokens": len(prompt), "cold_ttft_s": cold["ttft_s"], **res}
 
 
@@ -448,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", choices=sorted(SYSTEM_TARGETS), action="append",
                         help="system(s) to profile (default: both)")
     parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--events", action="store_true",
+                        help="also list every wrapped call of the request, in start order")
     add_arguments(parser)
     args = parser.parse_args(argv)
     out = []

@@ -46,6 +46,24 @@ def test_engine_core_events_are_dumped_then_merged_into_the_timeline(tmp_path: P
     assert timeline[prof._FORWARD]["compute_steps"] == 1
 
 
+def test_window_events_list_each_call_of_the_request_in_start_order() -> None:
+    # Two processes' events arrive unordered (the engine core's are merged after the child's).
+    prof._events.extend([
+        (prof._FORWARD, 5.06, 5.2, 1),
+        ("DiskStore.get_into", 4.0, 4.1, -1),  # an earlier request: before the last arrival
+        (prof._ARRIVAL, 5.0, 5.001, -1),
+        ("DiskStore.get_into", 5.03, 5.05, -1),
+        ("DiskStore.get_into", 5.01, 5.02, -1),
+        ("DiskStore.get_into", 5.4, 5.5, -1),  # after the first token
+    ])
+    events = prof.window_events(ttft_s=0.25)
+    assert [e[0] for e in events] == ["DiskStore.get_into", "DiskStore.get_into", prof._FORWARD]
+    assert [e[1] for e in events] == pytest.approx([0.01, 0.03, 0.06], abs=1e-6)
+    assert [e[2] for e in events] == pytest.approx([0.01, 0.02, 0.14], abs=1e-6)
+    prof._events.clear()
+    assert prof.window_events(ttft_s=0.25) == []  # no arrival, no window
+
+
 def test_nothing_is_dumped_without_events(tmp_path: Path) -> None:
     prof._dump_events(tmp_path)
     assert not list(tmp_path.iterdir())
