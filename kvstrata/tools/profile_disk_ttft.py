@@ -286,19 +286,23 @@ def _merge_engine_core_events(out_dir: Path) -> dict[str, int]:
     return totals
 
 
-def summarise(ttft_s: float) -> dict[str, Any]:
-    """Per target, the calls that started between the request's arrival and its first token."""
+def _request_calls(ttft_s: float) -> tuple[float, list[tuple[str, float, float, int]]]:
+    """The request's arrival time and the wrapped calls that started between it and its first
+    token (none without an arrival)."""
     with _events_lock:
         events = list(_events)
     arrivals = [e for e in events if e[0] == _ARRIVAL]
     if not arrivals:
-        return {}
+        return 0.0, []
     t0 = arrivals[-1][1]
-    end = t0 + ttft_s
+    return t0, [e for e in events if e[0] != _ARRIVAL and t0 <= e[1] <= t0 + ttft_s]
+
+
+def summarise(ttft_s: float) -> dict[str, Any]:
+    """Per target, the calls that started between the request's arrival and its first token."""
+    t0, calls = _request_calls(ttft_s)
     out: dict[str, Any] = {}
-    for name, s, e, tokens in events:
-        if name == _ARRIVAL or not t0 <= s <= end:
-            continue
+    for name, s, e, tokens in calls:
         row = out.setdefault(name, {"calls": 0, "busy_s": 0.0, "first_s": s - t0,
                                     "last_end_s": 0.0})
         row["calls"] += 1
@@ -323,15 +327,9 @@ def window_events(ttft_s: float) -> list[list[Any]]:
     """Every wrapped call that started between the request's arrival and its first token, in
     start order: ``[target, start_s, seconds]`` relative to the arrival (the hand-offs between
     processes and threads, which the per-target summary folds away)."""
-    with _events_lock:
-        events = list(_events)
-    arrivals = [e for e in events if e[0] == _ARRIVAL]
-    if not arrivals:
-        return []
-    t0 = arrivals[-1][1]
+    t0, calls = _request_calls(ttft_s)
     return [[name, round(s - t0, 5), round(e - s, 5)]
-            for name, s, e, _ in sorted(events, key=lambda e: e[1])
-            if name != _ARRIVAL and t0 <= s <= t0 + ttft_s]
+            for name, s, e, _ in sorted(calls, key=lambda c: c[1])]
 
 
 def cpu_breakdown(min_s: float = 0.002) -> dict[str, Any]:
