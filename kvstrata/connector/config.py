@@ -210,17 +210,6 @@ def _auto_or(validate: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
     return check
 
 
-def _auto_or_bool(key: str, value: Any) -> bool | str:
-    if value == "auto":
-        return "auto"
-    try:
-        return _bool(key, value)
-    except ConfigError:
-        raise ConfigError(
-            f"kvstrata option {key!r}: expected \"auto\", true or false, got {value!r}"
-        ) from None
-
-
 _VALIDATORS = {
     "store_path": _path,
     "host_bytes": lambda k, v: _min_size(k, v, 1 << 20),
@@ -237,7 +226,7 @@ _VALIDATORS = {
     "offload_prompt_only": _bool,
     "max_age_s": _optional_seconds,
     "host_shm_dir": _optional_path,
-    "stream_loads": _auto_or_bool,
+    "stream_loads": _auto_or(_bool),
     "python_switch_interval_s": _optional_seconds,
 }
 
