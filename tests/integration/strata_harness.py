@@ -5,6 +5,11 @@ kvstrata's real worker connector over real CPU KV tensors allocated exactly as v
 Only the model forward is emulated: after each step, every page a request just computed is filled
 with a value derived from that block's prefix hash, its group and its layer. A load is then checked
 byte-for-byte: a loaded page must hold the value of the block it claims to be.
+
+``async_scheduling=True`` runs vLLM's ``AsyncScheduler`` the way its engine core does on GPUs,
+where it is on by default (``step_with_batch_queue``, two steps in flight): step N is scheduled and
+executed before the scheduler sees step N-1's output, so the connector's scheduler side plans each
+step one output behind.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -164,6 +170,7 @@ class Runner:
     retention: int | None = None
     max_num_batched_tokens: int = 4096
     prefix_match_unit: int | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         block_size = max(g.block_size for g in self.groups)
@@ -176,8 +183,11 @@ class Runner:
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         sched_block, hash_block = resolve_kv_cache_block_sizes(self.kv_config, self.config)
         self.hash_block = hash_block
+        # vLLM's CPU platform turns async scheduling off while the config is built; GPUs keep it.
+        self.config.scheduler_config.async_scheduling = self.async_scheduling
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         with set_current_vllm_config(self.config):
-            self.scheduler = Scheduler(
+            self.scheduler = scheduler_cls(
                 vllm_config=self.config, kv_cache_config=self.kv_config,
                 structured_output_manager=StructuredOutputManager(self.config),
                 block_size=sched_block, hash_block_size=hash_block, log_stats=True,
@@ -195,6 +205,10 @@ class Runner:
         self.load_errors: list[str] = []
         self.stats: Any = None  # connector stats as vLLM's stats logger sees them
         self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        # Async scheduling: the step whose output the scheduler has not seen yet, and the forward
+        # writes that wait for tokens sampled by an earlier step (see _emulate_forward).
+        self._unseen: tuple[Any, ModelRunnerOutput] | None = None
+        self._deferred_writes: list[tuple[Request, list[list[int]], int, int]] = []
 
     # ----------------------------------------------------------------- requests
     def add(self, prompt: list[int], max_tokens: int = 1) -> Request:
@@ -209,7 +223,8 @@ class Runner:
 
     def run_until_idle(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
-            if not self.scheduler.has_requests() and not self.connector.has_pending_push_work():
+            if (not self.scheduler.has_requests() and not self.connector.has_pending_push_work()
+                    and self._unseen is None):
                 return
             self.step()
         raise AssertionError("engine did not go idle")
@@ -226,8 +241,29 @@ class Runner:
     # -------------------------------------------------------------------- steps
     def step(self, before_output: Callable[[], None] | None = None) -> None:
         """One engine step; ``before_output`` runs after the workers, before the scheduler
-        sees their results (where a cache reset can catch transfers in flight)."""
+        sees their results (where a cache reset can catch transfers in flight).
+
+        With async scheduling the scheduler sees this step's output only after it scheduled
+        the next one (vLLM's batch queue); the previous step's output is handed over here.
+        """
+        if self.async_scheduling and self._unseen is not None and not self.scheduler.has_requests():
+            # Nothing to schedule: the engine core only drains its batch queue.
+            unseen, self._unseen = self._unseen, None
+            self._update(*unseen)
+            self._write_deferred()
+            return
         so = self.scheduler.schedule()
+        out = self._execute(so, before_output)
+        if not self.async_scheduling:
+            self._update(so, out)
+            return
+        unseen, self._unseen = self._unseen, (so, out)
+        if unseen is not None:
+            self._update(*unseen)
+        self._write_deferred()
+
+    def _execute(self, so: Any, before_output: Callable[[], None] | None) -> ModelRunnerOutput:
+        """The worker's part of a step: transfers around the emulated forward."""
         meta = so.kv_connector_metadata
         for req_id, n in self._new_loads(so).items():
             self.loaded_tokens[req_id] = n
@@ -246,7 +282,7 @@ class Runner:
         if before_output is not None:
             before_output()
         reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens]
-        out = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=[r.request_id for r in reqs],
             req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
             # A request still prefilling (a partial chunk) samples nothing, as in vLLM's runner.
@@ -259,6 +295,8 @@ class Runner:
                 failed_recving=results.failed_recving, kv_connector_worker_meta=wmeta,
             ),
         )
+
+    def _update(self, so: Any, out: ModelRunnerOutput) -> None:
         for eco in self.scheduler.update_from_output(so, out).values():
             sched_stats = eco.scheduler_stats
             if sched_stats is not None and sched_stats.kv_connector_stats:
@@ -315,13 +353,32 @@ class Runner:
             req = self.scheduler.requests[req_id]
             # schedule() already advanced num_computed_tokens past this step's tokens.
             start, end = req.num_computed_tokens - n, req.num_computed_tokens
-            ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            for g, spec in enumerate(self.kv_config.kv_cache_groups):
-                bs = spec.kv_cache_spec.block_size
-                if self._is_state(g):
-                    self._write_states(req, ids[g], g, bs, start, end)
-                else:
-                    self._write_tokens(req, ids[g], g, bs, start, end)
+            ids = [list(g) for g in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
+            self._write(req, ids, start, end)
+            if req.num_tokens < end:
+                # Async scheduling: a token this step computes was sampled by a step whose output
+                # the scheduler has not seen, so the values (functions of the token ids) are not
+                # known yet. The real forward wrote them now; no store can read them before the
+                # scheduler has seen that token (their keys do not exist until then), so they
+                # are written right after that output is handed over.
+                self._deferred_writes.append((req, ids, start, end))
+
+    def _write(self, req: Request, ids: list[list[int]], start: int, end: int) -> None:
+        for g, spec in enumerate(self.kv_config.kv_cache_groups):
+            bs = spec.kv_cache_spec.block_size
+            if self._is_state(g):
+                self._write_states(req, ids[g], g, bs, start, end)
+            else:
+                self._write_tokens(req, ids[g], g, bs, start, end)
+
+    def _write_deferred(self) -> None:
+        pending, self._deferred_writes = self._deferred_writes, []
+        for req, ids, start, end in pending:
+            if req.num_tokens >= end:
+                self._write(req, ids, start, end)
+            elif not req.is_finished():
+                self._deferred_writes.append((req, ids, start, end))
+            # A request that finished before that token was sampled never stores it.
 
     def _write_tokens(self, req: Request, ids: list[int], g: int, bs: int, start: int, end: int) -> None:
         tph = self.hash_block

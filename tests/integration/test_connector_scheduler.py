@@ -22,11 +22,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("model"))
 
 
-@pytest.fixture
-def runners(model_dir: Path, tmp_path: Path) -> Iterator:
+# Every scenario under vLLM's plain Scheduler and under its AsyncScheduler (the default on GPUs:
+# each step is planned before the previous step's output is seen).
+@pytest.fixture(params=[False, True], ids=["sched", "async-sched"])
+def runners(model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     made: list[Runner] = []
 
     def make(groups: list[G], store: Path | None = None, **kw) -> Runner:
+        kw.setdefault("async_scheduling", request.param)
         r = Runner(groups, model_dir, store or tmp_path / "store", **kw)
         made.append(r)
         return r
