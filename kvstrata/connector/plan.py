@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm.config import VllmConfig
+from vllm.config import ParallelConfig, VllmConfig
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -71,6 +71,7 @@ class KVPlan:
 
 
 def build_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: StrataConfig) -> KVPlan:
+    _refuse_unsupported_parallelism(vllm_config.parallel_config)
     offloaded = kv_cache_config.prefix_cacheable_group_ids
     if not offloaded:
         raise ValueError("kvstrata: the model has no prefix-cacheable KV cache group to offload")
@@ -123,6 +124,27 @@ def build_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: Str
         slab_path=slab_path,
         num_slots=num_slots,
     )
+
+
+# Parallelism kvstrata does not lay out: each stage or context-parallel rank holds other layers or
+# other tokens of a block than one tensor-parallel shard, which the slot layout (one shard per TP
+# rank, every layer of the group) and the store keys do not describe. Served, they would load
+# wrong KV or copies the scheduler never waits for; refused, the user knows at start-up.
+_UNSUPPORTED_PARALLELISM = (
+    ("pipeline_parallel_size", "pipeline parallelism"),
+    ("prefill_context_parallel_size", "prefill context parallelism"),
+    ("decode_context_parallel_size", "decode context parallelism"),
+)
+
+
+def _refuse_unsupported_parallelism(parallel: ParallelConfig) -> None:
+    for name, what in _UNSUPPORTED_PARALLELISM:
+        size = getattr(parallel, name, 1) or 1
+        if size > 1:
+            raise ValueError(
+                f"kvstrata does not support {what} ({name}={size}); tensor parallelism "
+                "(tensor_parallel_size) and data parallelism are supported"
+            )
 
 
 def _default_shm_dir() -> Path:

@@ -6,6 +6,10 @@ Only the model forward is emulated: after each step, every page a request just c
 with a value derived from that block's prefix hash, its group and its layer. A load is then checked
 byte-for-byte: a loaded page must hold the value of the block it claims to be.
 
+``tp=N`` runs N worker connectors (tensor-parallel ranks 0..N-1), each over its own KV tensors
+whose values also depend on the rank, their outputs merged by vLLM's own ``KVOutputAggregator``
+as its executors do: a load counts as finished only once every rank finished it.
+
 ``async_scheduling=True`` runs vLLM's ``AsyncScheduler`` the way its engine core does on GPUs,
 where it is on by default (``step_with_batch_queue``, two steps in flight): step N is scheduled and
 executed before the scheduler sees step N-1's output, so the connector's scheduler side plans each
@@ -32,6 +36,7 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import ForwardContext
 from vllm.utils.hashing import sha256
@@ -153,8 +158,9 @@ def vllm_config(model_dir: Path, store: Path, *, block_size: int, extra: dict[st
     return cfg
 
 
-def page_value(block_hash: bytes, group: int, layer: int) -> int:
-    return (int.from_bytes(sha256((block_hash, group, layer))[:4], "big") % 120) + 1  # 1..120: exact in int8 and fp16
+def page_value(block_hash: bytes, group: int, layer: int, rank: int = 0) -> int:
+    key = (block_hash, group, layer) if rank == 0 else (block_hash, group, layer, rank)
+    return (int.from_bytes(sha256(key)[:4], "big") % 120) + 1  # 1..120: exact in int8 and fp16
 
 
 @dataclass
@@ -171,6 +177,7 @@ class Runner:
     max_num_batched_tokens: int = 4096
     prefix_match_unit: int | None = None
     async_scheduling: bool = False
+    tp: int = 1
 
     def __post_init__(self) -> None:
         block_size = max(g.block_size for g in self.groups)
@@ -185,6 +192,8 @@ class Runner:
         self.hash_block = hash_block
         # vLLM's CPU platform turns async scheduling off while the config is built; GPUs keep it.
         self.config.scheduler_config.async_scheduling = self.async_scheduling
+        parallel = self.config.parallel_config
+        parallel.tensor_parallel_size = parallel.world_size = self.tp
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         with set_current_vllm_config(self.config):
             self.scheduler = scheduler_cls(
@@ -192,9 +201,18 @@ class Runner:
                 structured_output_manager=StructuredOutputManager(self.config),
                 block_size=sched_block, hash_block_size=hash_block, log_stats=True,
             )
-            self.worker = StrataConnector(self.config, KVConnectorRole.WORKER, self.kv_config)
-            self.kv = allocate_kv_cache(self.kv_config, torch.device("cpu"), KVCacheLayout.LBHNC)
-            self.worker.register_kv_caches(self.kv)
+            # One worker connector per rank, built as that rank's process builds it.
+            self.workers: list[StrataConnector] = []
+            self.kvs: list[dict[str, torch.Tensor]] = []
+            for rank in range(self.tp):
+                parallel.rank = rank
+                worker = StrataConnector(self.config, KVConnectorRole.WORKER, self.kv_config)
+                kv = allocate_kv_cache(self.kv_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+                worker.register_kv_caches(kv)
+                self.workers.append(worker)
+                self.kvs.append(kv)
+            parallel.rank = 0
+        self._aggregator = KVOutputAggregator(expected_finished_count=self.tp)
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, StrataConnector)
         init_none_hash(sha256)
@@ -263,38 +281,45 @@ class Runner:
         self._write_deferred()
 
     def _execute(self, so: Any, before_output: Callable[[], None] | None) -> ModelRunnerOutput:
-        """The worker's part of a step: transfers around the emulated forward."""
+        """The workers' part of a step: transfers around the emulated forward, on every rank;
+        their outputs merged as vLLM's executor merges them."""
         meta = so.kv_connector_metadata
         for req_id, n in self._new_loads(so).items():
             self.loaded_tokens[req_id] = n
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(self._ctx)
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(self._ctx)
         self._emulate_forward(so)
-        w.wait_for_save()
-        results = w.get_transfer_results(so.finished_req_ids)
-        wmeta = w.build_connector_worker_meta()
-        w.clear_connector_metadata()
-        for req_id in results.finished_recving:
-            if req_id in self.scheduler.requests and req_id not in results.failed_recving:
+        reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens]
+        outputs: list[ModelRunnerOutput | None] = []
+        for w in self.workers:
+            w.wait_for_save()
+            results = w.get_transfer_results(so.finished_req_ids)
+            wmeta = w.build_connector_worker_meta()
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(
+                req_ids=[r.request_id for r in reqs],
+                req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
+                # A request still prefilling (a partial chunk) samples nothing, as in vLLM's runner.
+                sampled_token_ids=[
+                    [self._next_token(r)] if r.num_computed_tokens >= r.num_tokens else [] for r in reqs
+                ],
+                logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+                    failed_recving=results.failed_recving, kv_connector_worker_meta=wmeta,
+                ),
+            ))
+        out = self._aggregator.aggregate(outputs)
+        assert out is not None and out.kv_connector_output is not None
+        kv_out = out.kv_connector_output
+        for req_id in kv_out.finished_recving or ():
+            if req_id in self.scheduler.requests and req_id not in kv_out.failed_recving:
                 self._check_loaded_pages(self.scheduler.requests[req_id])
         if before_output is not None:
             before_output()
-        reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens]
-        return ModelRunnerOutput(
-            req_ids=[r.request_id for r in reqs],
-            req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
-            # A request still prefilling (a partial chunk) samples nothing, as in vLLM's runner.
-            sampled_token_ids=[
-                [self._next_token(r)] if r.num_computed_tokens >= r.num_tokens else [] for r in reqs
-            ],
-            logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=results.finished_sending, finished_recving=results.finished_recving,
-                failed_recving=results.failed_recving, kv_connector_worker_meta=wmeta,
-            ),
-        )
+        return out
 
     def _update(self, so: Any, out: ModelRunnerOutput) -> None:
         for eco in self.scheduler.update_from_output(so, out).values():
@@ -326,9 +351,11 @@ class Runner:
             return None
         return bytes(req.block_hashes[idx])
 
-    def _group_pages(self, g: int, block_id: int) -> Iterable[tuple[int, torch.Tensor]]:
-        for layer, name in enumerate(self.kv_config.kv_cache_groups[g].layer_names):
-            yield layer, self.kv[name][block_id]
+    def _group_pages(self, g: int, block_id: int) -> Iterable[tuple[int, int, torch.Tensor]]:
+        """(rank, layer, page) of a block, on every rank."""
+        for rank, kv in enumerate(self.kvs):
+            for layer, name in enumerate(self.kv_config.kv_cache_groups[g].layer_names):
+                yield rank, layer, kv[name][block_id]
 
     def _is_state(self, g: int) -> bool:
         return self.groups[g].kind == "mamba"
@@ -336,8 +363,9 @@ class Runner:
     def _apply_block_copies(self, so: Any) -> None:
         """The scheduler's copy-on-write copies (Mamba align states): run before the forward."""
         for copy in getattr(so, "kv_cache_block_copies", None) or ():
-            for kv in self.kv.values():
-                kv[copy.dst_block_id].copy_(kv[copy.src_block_id])
+            for kvs in self.kvs:
+                for kv in kvs.values():
+                    kv[copy.dst_block_id].copy_(kv[copy.src_block_id])
 
     def _emulate_forward(self, so: Any) -> None:
         """Write what this step computes, each value a function of the prefix it depends on.
@@ -387,15 +415,15 @@ class Runner:
             h = self._block_hash_at(req, (hb + 1) * tph)
             if b >= len(ids) or ids[b] == 0 or h is None:
                 continue
-            for layer, page in self._group_pages(g, ids[b]):
-                page[:, pos : pos + tph].fill_(page_value(h, g, layer))
+            for rank, layer, page in self._group_pages(g, ids[b]):
+                page[:, pos : pos + tph].fill_(page_value(h, g, layer, rank))
         # Positions of a hash block the step leaves incomplete (a prompt's tail): each its own
         # value, a function of the tokens up to it.
         for p in range(max(start, end - end % tph), end):
             b = p // bs
             if b < len(ids) and ids[b] != 0:
-                for layer, page in self._group_pages(g, ids[b]):
-                    page[:, p % bs].fill_(page_value(self._position_hash(req, p), g, layer))
+                for rank, layer, page in self._group_pages(g, ids[b]):
+                    page[:, p % bs].fill_(page_value(self._position_hash(req, p), g, layer, rank))
 
     @staticmethod
     def _position_hash(req: Request, p: int) -> bytes:
@@ -415,8 +443,8 @@ class Runner:
             if b >= len(ids) or ids[b] == 0:
                 continue
             h = self._block_hash_at(req, state_end) if state_end % self.hash_block == 0 else None
-            for layer, page in self._group_pages(g, ids[b]):
-                page.fill_(0 if h is None else page_value(h, g, layer))
+            for rank, layer, page in self._group_pages(g, ids[b]):
+                page.fill_(0 if h is None else page_value(h, g, layer, rank))
 
     def _check_loaded_pages(self, req: Request) -> None:
         """Every loaded position must hold what the forward wrote for it: each hash block below
@@ -448,12 +476,14 @@ class Runner:
                         for p in range(max(b * bs, cached - cached % tph), min((b + 1) * bs, cached))
                     ]
                 for what, h, pos in checks:
-                    for layer, page in self._group_pages(g, ids[g][b]):
-                        want = page_value(h, g, layer)
+                    for rank, layer, page in self._group_pages(g, ids[g][b]):
+                        want = page_value(h, g, layer, rank)
                         got = int((page.flatten() if pos is None else page[:, pos].flatten())[0].item())
                         if got != want:
-                            self.load_errors.append(f"{req.request_id} g{g} block {b} {what}: {got} != {want}")
+                            self.load_errors.append(
+                                f"{req.request_id} rank {rank} g{g} block {b} {what}: {got} != {want}")
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         self.connector.shutdown()

@@ -258,6 +258,26 @@ def test_stream_loads_true_under_the_fail_policy_is_refused_before_the_store_ope
     assert not store.exists()
 
 
+@pytest.mark.parametrize("name", ["pipeline_parallel_size", "prefill_context_parallel_size",
+                                  "decode_context_parallel_size"])
+def test_unsupported_parallelism_is_refused_naming_it(model_dir: Path, tmp_path: Path, name: str) -> None:
+    """Pipeline stages and context-parallel ranks hold other layers or tokens than a TP shard:
+    refused at start-up, in both roles, before the store is opened."""
+    from strata_harness import kv_cache_config, vllm_config
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvstrata.connector.connector import StrataConnector
+
+    store = tmp_path / "never-opened"
+    cfg = vllm_config(model_dir, store, block_size=16)
+    setattr(cfg.parallel_config, name, 2)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with set_current_vllm_config(cfg), pytest.raises(ValueError, match=f"{name}=2"):
+            StrataConnector(cfg, role, kv_cache_config([G("full", 16)], 64))
+    assert not store.exists()
+
+
 def test_reset_with_transfers_in_flight_releases_their_slots(runners) -> None:
     """reset_prefix_cache() while stores are in flight: when they finish their slots are given
     back (not left pinned and "being stored" forever) and their KV is not served."""
@@ -471,3 +491,61 @@ def test_prompt_tail_served_from_disk_after_restart(runners, tmp_path: Path) -> 
     assert second.serve(_prompt(100), 1) == 100
     assert second.load_errors == []
     assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] == 7  # 6 chunks + the tail
+
+
+# ---- tensor parallelism: every slot and every stored chunk holds one shard per rank ---------------
+TP_SCENARIOS = [
+    ("fa", [G("full", 16)], 100),
+    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], 100),
+    ("fa-mamba", [G("full", 16), G("mamba", 16)], 96),
+]
+
+
+@pytest.mark.parametrize(("name", "groups", "expected"), TP_SCENARIOS, ids=[s[0] for s in TP_SCENARIOS])
+def test_tensor_parallel_ranks_load_their_own_shards(runners, name, groups, expected) -> None:
+    """Two ranks, their KV different: each rank gets back its own pages (byte-checked per rank),
+    and the load counts as finished only once both finished (vLLM's KVOutputAggregator)."""
+    r = runners(groups, tp=2)
+    assert _store_then_serve(r, _prompt(100)) == expected
+
+
+def test_tensor_parallel_shards_come_back_from_disk_and_need_every_rank(runners, tmp_path: Path) -> None:
+    """After a restart both ranks' shards come from disk. A chunk whose rank-1 record is gone is
+    not served (the hit stops before it), and a TP=1 engine on the same store finds nothing."""
+    import lmdb
+    from strata_harness import EOS
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvstrata.connector import semantics
+
+    store = tmp_path / "persist"
+    prompt = _prompt(100)
+    first = runners([G("full", 16)], store=store, tp=2)
+    first.serve(prompt, 1)
+    sched = first.connector.scheduler
+    namespaces = sched.hierarchy.namespaces
+    assert len(namespaces) == 2 and namespaces[0] != namespaces[1]
+    params = SamplingParams(max_tokens=1)
+    params.update_from_generation_config({}, EOS)
+    probe = Request(request_id="probe", prompt_token_ids=prompt, sampling_params=params,
+                    pooling_params=None, block_hasher=first._hasher)
+    keys = list(semantics.chunk_keys(probe.block_hashes, sched.layout.groups[0]))
+    first.close()
+
+    second = runners([G("full", 16)], store=store, tp=2)
+    assert second.serve(prompt, 1) == 100
+    assert second.load_errors == []
+    assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] == 7  # 6 chunks + the tail
+    second.close()
+
+    with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
+        for ns in namespaces:
+            assert txn.get(ns + keys[3], db=raw.open_db(b"payload", txn=txn)) is not None
+        assert txn.delete(namespaces[1] + keys[3], db=raw.open_db(b"payload", txn=txn))
+    third = runners([G("full", 16)], store=store, tp=2)
+    assert third.serve(prompt, 1) == 48  # chunks 0-2: chunk 3 lacks rank 1's shard
+    assert third.load_errors == []
+    third.close()
+
+    assert runners([G("full", 16)], store=store, tp=1).serve(prompt, 1) == 0
