@@ -549,3 +549,78 @@ def test_tensor_parallel_shards_come_back_from_disk_and_need_every_rank(runners,
     third.close()
 
     assert runners([G("full", 16)], store=store, tp=1).serve(prompt, 1) == 0
+
+
+# ---- aborts and preemption: nothing stays pinned, nothing is served wrong afterwards -------------
+def _host_tier_is_released(r: Runner) -> None:
+    import time
+
+    hierarchy = r.connector.scheduler.hierarchy
+    deadline = time.monotonic() + 30  # write-behind to disk pins its slots until written
+    while hierarchy.stats()["write_inflight_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    st = hierarchy.stats()
+    assert st["host"]["referenced"] == 0 and st["host"]["not_ready"] == 0, st["host"]
+    assert st["promotions_inflight"] == 0 and st["stores_inflight"] == 0
+    assert r.connector.scheduler._reqs == {}
+
+
+def test_abort_while_a_disk_load_streams(runners, tmp_path: Path, monkeypatch) -> None:
+    """A client disconnects while its prefix still streams in from disk: vLLM keeps the blocks
+    until the load reports finished (R39); kvstrata finishes the load, releases every slot, and
+    the next request with that prefix is served whole."""
+    from vllm.v1.request import RequestStatus
+
+    store = tmp_path / "persist"
+    prompt = _prompt(100)
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    first.close()
+    second = runners([G("full", 16)], store=store)
+    _slow_disk_reads(monkeypatch, 0.03)
+    req = second.add(prompt, 4)
+    second.step()
+    assert req.request_id in second.loaded_tokens  # the streamed load is under way
+    assert second.connector.scheduler.hierarchy.stats()["promotions_inflight"] > 0
+    second.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    second.run_until_idle()
+    assert req.status == RequestStatus.FINISHED_ABORTED and req.num_output_tokens == 0
+    _host_tier_is_released(second)
+    assert second.serve(prompt, 1) == 100
+    assert second.load_errors == []
+
+
+def test_abort_mid_prefill_keeps_the_chunks_it_computed(runners) -> None:
+    """Aborted after its first prefill chunk (64 of 100 tokens): the 4 chunks computed are stored
+    and served; nothing of the rest is, and nothing stays pinned."""
+    from vllm.v1.request import RequestStatus
+
+    r = runners([G("full", 16)], max_num_batched_tokens=64)
+    prompt = _prompt(100)
+    req = r.add(prompt, 4)
+    r.step()
+    assert req.num_computed_tokens == 64
+    r.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    r.run_until_idle()
+    _host_tier_is_released(r)
+    r.drop_gpu_prefix_cache()
+    assert r.serve(prompt, 1) == 64
+    assert r.load_errors == []
+
+
+def test_preempted_requests_store_and_serve_correctly(runners) -> None:
+    """Two decoding requests that do not both fit in 17 blocks (7 each for the prompts, 10 each
+    once decoded): vLLM preempts one (its blocks are freed and later recomputed or reloaded). Both finish; both prompts are then served whole
+    from kvstrata, byte-checked, and no slot stays pinned."""
+    r = runners([G("full", 16)], num_blocks=18)
+    a, b = _prompt(100, seed=1), _prompt(100, seed=2)
+    ra, rb = r.add(a, 60), r.add(b, 60)
+    r.run_until_idle()
+    assert ra.num_output_tokens == rb.num_output_tokens == 60
+    assert ra.num_preemptions + rb.num_preemptions > 0
+    _host_tier_is_released(r)
+    r.drop_gpu_prefix_cache()
+    assert r.serve(a, 1) == 100
+    r.drop_gpu_prefix_cache()
+    assert r.serve(b, 1) == 100
+    assert r.load_errors == []
