@@ -196,11 +196,13 @@ def test_disk_hit_is_loaded_while_its_chunks_land(runners, tmp_path: Path, monke
     assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["load_failures"] == 0
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-rank1-corrupt"])
 def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
-        runners, tmp_path: Path, monkeypatch) -> None:
+        runners, tmp_path: Path, monkeypatch, tp: int) -> None:
     """A record found corrupt after its streamed load began: the load fails, vLLM (policy
     "recompute") resets the request, and its next lookup serves only the chunks before the bad
-    one — byte-checked — and never the bad chunk."""
+    one — byte-checked — and never the bad chunk. With two ranks only rank 1's record of the
+    chunk is bad: the whole load fails all the same, on both ranks."""
     import lmdb
     from strata_harness import EOS
     from vllm import SamplingParams
@@ -210,7 +212,7 @@ def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
 
     store = tmp_path / "persist"
     prompt = _prompt(96)
-    first = runners([G("full", 16)], store=store)
+    first = runners([G("full", 16)], store=store, tp=tp)
     first.serve(prompt, 1)
     sched = first.connector.scheduler
     params = SamplingParams(max_tokens=1)
@@ -218,7 +220,7 @@ def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
     probe = Request(request_id="probe", prompt_token_ids=prompt, sampling_params=params,
                     pooling_params=None, block_hasher=first._hasher)
     keys = list(semantics.chunk_keys(probe.block_hashes, sched.layout.groups[0]))
-    bad = sched.hierarchy.namespaces[0] + keys[3]
+    bad = sched.hierarchy.namespaces[tp - 1] + keys[3]
     first.close()
     with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
         payload = raw.open_db(b"payload", txn=txn)
@@ -226,7 +228,7 @@ def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
         frame[len(frame) // 2] ^= 0xFF
         txn.put(bad, bytes(frame), db=payload)
 
-    second = runners([G("full", 16)], store=store)
+    second = runners([G("full", 16)], store=store, tp=tp)
     _slow_disk_reads(monkeypatch, 0.02)
     req = second.add(prompt, 1)
     second.step()
@@ -624,3 +626,61 @@ def test_preempted_requests_store_and_serve_correctly(runners) -> None:
     r.drop_gpu_prefix_cache()
     assert r.serve(b, 1) == 100
     assert r.load_errors == []
+
+
+def test_a_load_ends_only_when_the_slowest_rank_copied_it(runners, tmp_path: Path, monkeypatch) -> None:
+    """Rank 1 copies each landed chunk 20 ms slower than rank 0, so the ranks report the
+    streamed load in different steps. The scheduler must count both: the load job ends (its
+    slots unpinned) no earlier than the step rank 1 reports it, and the request runs after."""
+    import time
+
+    from kvstrata.connector.scheduler import StrataScheduler
+
+    store = tmp_path / "persist"
+    prompt = _prompt(100)
+    first = runners([G("full", 16)], store=store, tp=2)
+    first.serve(prompt, 1)
+    first.close()
+    second = runners([G("full", 16)], store=store, tp=2)
+    _slow_disk_reads(monkeypatch, 0.01)
+    landing = second.workers[1].worker.landing
+    real_copy = landing._copy
+
+    def slow_copy(transfer):
+        time.sleep(0.02)
+        real_copy(transfer)
+
+    landing._copy = slow_copy
+    step = 0
+    reported: dict[int, int] = {}  # rank -> step its worker reported the load finished
+    for rank, w in enumerate(second.workers):
+        real_get_finished = w.worker.get_finished
+
+        def get_finished(rank=rank, real=real_get_finished):
+            sending, recving, failed = real()
+            if recving:
+                reported.setdefault(rank, step)
+            return sending, recving, failed
+
+        monkeypatch.setattr(w.worker, "get_finished", get_finished)
+    load_ended: list[int] = []
+    real_finish = StrataScheduler._finish_job
+
+    def finish_job(self, job_id, job, ok):
+        if not job.is_store:
+            load_ended.append(step)
+        return real_finish(self, job_id, job, ok)
+
+    monkeypatch.setattr(StrataScheduler, "_finish_job", finish_job)
+    req = second.add(prompt, 1)
+    deadline = time.monotonic() + 60
+    while not req.is_finished():
+        step += 1
+        second.step()
+        assert time.monotonic() < deadline, f"not finished after {step} steps"
+    second.run_until_idle()
+    assert reported[1] > reported[0]  # the ranks did report in different steps
+    assert load_ended and load_ended[0] >= reported[1]
+    assert second.loaded_tokens[req.request_id] == 100
+    assert second.load_errors == []
+    _host_tier_is_released(second)
