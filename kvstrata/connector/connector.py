@@ -47,8 +47,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvstrata")
 
 
-def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, list[Any], Path | None]:
+def build_hierarchy(
+    plan: KVPlan, cfg: StrataConfig, *, events: bool = False
+) -> tuple[Any, list[Any], Path | None]:
     """The scheduler's tier stack: host slab + pool, LMDB disk store, the I/O pipeline.
+    ``events``: record tier changes for vLLM's KV cache events.
 
     Returns the hierarchy, what to close after it (disk store, slab), and for a session-only store
     the temporary directory to remove.
@@ -104,6 +107,7 @@ def build_hierarchy(plan: KVPlan, cfg: StrataConfig) -> tuple[Any, list[Any], Pa
         max_deferred_bytes=cfg.max_disk_write_backlog_bytes,
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.resolve_io_threads(),
+        events=events,
     )
     return hierarchy, [c for c in (disk, slab) if c is not None], session_dir
 
@@ -134,7 +138,10 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             # Checked before the store is opened: a refused option leaves nothing to close.
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
             stream_loads = self.cfg.resolve_stream_loads(policy)
-            hierarchy, self._owned, self._session_dir = build_hierarchy(self.plan, self.cfg)
+            events = vllm_config.kv_events_config is not None and bool(
+                vllm_config.kv_events_config.enable_kv_cache_events)
+            hierarchy, self._owned, self._session_dir = build_hierarchy(
+                self.plan, self.cfg, events=events)
             _lower_switch_interval(self.cfg.python_switch_interval_s)
             self._scheduler = StrataScheduler(
                 self.plan,
@@ -254,7 +261,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.has_pending_push_work()
 
     def take_events(self) -> Iterable[Any]:
-        return ()
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         self.scheduler.reset_cache()

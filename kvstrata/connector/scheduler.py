@@ -21,6 +21,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 from kvstrata.connector import semantics
+from kvstrata.connector.events import kv_cache_events
 from kvstrata.connector.metadata import (
     ChunkCopy,
     StrataMetadata,
@@ -705,6 +706,12 @@ class StrataScheduler:
         if self._being_loaded is not None:
             self._being_loaded.clear()
         self.hierarchy.reset()
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV cache events for what entered or left kvstrata's tiers since the last call
+        (empty unless the engine has KV cache events on)."""
+        changes = self.hierarchy.take_events()
+        return list(kv_cache_events(changes)) if changes else []
 
     def take_stats(self) -> StrataStats | None:
         # vLLM asks every step; tier figures (which read the store) are refreshed once a second.

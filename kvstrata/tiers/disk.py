@@ -298,6 +298,11 @@ class DiskStore:
         self._dirty_bytes = 0
         self._sync_wake = threading.Event()
         self._stop = threading.Event()
+        # Told the store keys of records deleted (evicted, expired, dropped as corrupt, deleted)
+        # once their transaction committed; called on the thread that deleted them, so it must
+        # not wait on this store. The tier hierarchy turns them into KV cache events.
+        self.on_removed: Callable[[list[bytes]], None] | None = None
+        self._removed = threading.local()  # keys deleted by this thread's open write txn
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock_fd: int | None = None
         self._recovered = threading.Event()
@@ -500,14 +505,20 @@ class DiskStore:
     ) -> T:
         """Run ``fn`` in one transaction (committed when ``write``), retrying after MapResized."""
         for _ in range(8):
+            self._removed.keys = []
             try:
                 with self._gate.shared():
                     if self._closed:
                         raise StoreUnavailableError(f"store at {self.path} is closed")
                     with self._env.begin(write=write, buffers=buffers) as txn:
-                        return fn(txn)
+                        result = fn(txn)
+                if write:
+                    self._report_removed()  # committed: the records are gone
+                return result
             except lmdb.MapResizedError:
                 self._adopt_map_size()
+            finally:
+                self._removed.keys = []
         raise StoreUnavailableError(
             f"store at {self.path}: map keeps being resized by another process"
         )
@@ -939,15 +950,26 @@ class DiskStore:
             rec = _decode_record(value)
             yield key, max(rec.tick, touched.get(key, 0)), rec.stored_len
 
+    def _report_removed(self) -> None:
+        removed = self._removed.keys
+        if removed and self.on_removed is not None:
+            try:
+                self.on_removed(removed)
+            except Exception:
+                log.exception("store at %s: on_removed callback failed", self.path)
+
     def _delete_records(
         self, txn: lmdb.Transaction, totals: _Totals, keys: Iterable[bytes]
     ) -> tuple[int, int]:
         count = freed = 0
+        removed = getattr(self._removed, "keys", None)
         for key in keys:
             value = txn.pop(key, db=self._index)
             if value is None:
                 continue
             txn.delete(key, db=self._payload)
+            if removed is not None:
+                removed.append(bytes(key))
             rec = _decode_record(value)
             totals.entries -= 1
             totals.raw_bytes -= rec.raw_len

@@ -22,6 +22,13 @@ The blocking work (LMDB, zstd, checksums) runs in thread pools via ``run_in_exec
 operation per call (storage-facts.md, implication 8); it releases the GIL. Reads and writes have
 separate pools so a backlog of writes never delays a prefetch the next step waits for.
 
+**Events** (``events=True``): what enters or leaves each tier, for vLLM's KV cache events (KV-aware
+routers learn from them which server holds a prefix): ``take_events()`` returns
+``(tier, removed, chunk keys)`` batches, tier "host" or "disk", in the order they happened. Host:
+a store completed, a promotion landed (stored); an idle chunk evicted or reset (removed). Disk:
+a write-behind completed (stored); a record evicted, expired, dropped as corrupt or deleted
+(removed; a chunk whose shard of any rank went is gone).
+
 Slot layout: shard ``r`` of a slot starts at ``r * shard_bytes``; for group ``g`` only its first
 ``group_shard_bytes[g]`` bytes are meaningful and only those go to disk, as record
 ``namespaces[r] + chunk_key`` (group = the key's last 4 bytes, big-endian).
@@ -49,6 +56,9 @@ _ABSENT, _READY, _NOT_READY = HostPool.ABSENT, HostPool.READY, HostPool.NOT_READ
 _HIT, _PENDING, _MISS = Presence.HIT, Presence.PENDING, Presence.MISS
 # Indexed by HostPool.lookup_many's states (ABSENT=0, READY=1, NOT_READY=2).
 _BY_HOST_STATE = (_MISS, _HIT, _PENDING)
+
+
+TIER_HOST, TIER_DISK = "host", "disk"
 
 
 def chunk_group(key: bytes) -> int:
@@ -89,6 +99,7 @@ class Hierarchy:
         read_threads: int = 2,
         write_threads: int = 1,
         offer_tracker_size: int = 1 << 17,
+        events: bool = False,
     ) -> None:
         slab = host_pool.slab
         if slab is None:
@@ -146,6 +157,10 @@ class Hierarchy:
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
         host_pool.on_evict = self._on_evict
+        # (tier, removed, keys) batches for KV cache events; None when nobody listens.
+        self._events: deque[tuple[str, bool, list[bytes]]] | None = deque() if events else None
+        if events and disk is not None:
+            disk.on_removed = self._on_disk_removed
 
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="kvstrata-read")
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="kvstrata-write")
@@ -225,6 +240,8 @@ class Hierarchy:
                 self.pool.release(key)
                 self._bad.discard(key)
                 self._counts["stores_completed"] += 1
+                if self._events is not None:
+                    self._events.append((TIER_HOST, False, [key]))
                 if self.admit_after <= 1 or self._offers.get(key, 0) >= self.admit_after:
                     item = self._admit(key)
                     if item is not None:
@@ -299,6 +316,17 @@ class Hierarchy:
             self._offers.clear()
             self._bad.clear()
             return len(self.pool) == 0
+
+    def take_events(self) -> list[tuple[str, bool, list[bytes]]]:
+        """Tier changes since the last call, oldest first (see module docstring); [] when
+        events are off."""
+        events = self._events
+        if not events:
+            return []
+        out = []
+        while events:
+            out.append(events.popleft())
+        return out
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -471,6 +499,17 @@ class Hierarchy:
 
     def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
         self._on_disk.discard(key)
+        if self._events is not None:
+            self._events.append((TIER_HOST, True, [key]))
+
+    def _on_disk_removed(self, store_keys: list[bytes]) -> None:
+        # On the disk store's writer thread: no lock here (a scheduler call may hold ours while
+        # it waits on that thread); deque appends are atomic.
+        width = len(self.namespaces[0])
+        ours = set(self.namespaces)
+        keys = list(dict.fromkeys(k[width:] for k in store_keys if k[:width] in ours))
+        if keys and self._events is not None:
+            self._events.append((TIER_DISK, True, keys))
 
     # ---- write-behind ----------------------------------------------------------------------------
 
@@ -557,6 +596,8 @@ class Hierarchy:
             if ok:
                 self._on_disk.add(key)
                 self._counts["writes_completed"] += 1
+                if self._events is not None:
+                    self._events.append((TIER_DISK, False, [key]))
                 self._counts["write_bytes"] += size
             else:
                 self._counts["writes_failed"] += 1
@@ -579,6 +620,8 @@ class Hierarchy:
                 self.pool.mark_ready(key)
                 self.pool.release(key)
                 self._counts["promotions_completed"] += 1
+                if self._events is not None:
+                    self._events.append((TIER_HOST, False, [key]))
                 self._counts["read_bytes"] += self._chunk_bytes(key)
             else:
                 self._on_disk.discard(key)

@@ -30,6 +30,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -125,7 +126,8 @@ def kv_cache_config(groups: list[G], num_blocks: int) -> KVCacheConfig:
 def vllm_config(model_dir: Path, store: Path, *, block_size: int, extra: dict[str, Any] | None = None,
                 spec_decode: bool = False, retention: int | None = None,
                 max_num_batched_tokens: int = 4096, hash_algo: str = "sha256",
-                mamba: bool = False, prefix_match_unit: int | None = None) -> VllmConfig:
+                mamba: bool = False, prefix_match_unit: int | None = None,
+                kv_events: bool = False) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), dtype="float16", seed=0, skip_tokenizer_init=True,
                         max_model_len=8192)
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
@@ -147,6 +149,8 @@ def vllm_config(model_dir: Path, store: Path, *, block_size: int, extra: dict[st
     )
     cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
                      kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+    if kv_events:
+        cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     if spec_decode:
         spec = MagicMock()
         spec.use_eagle_block_drop.return_value = True
@@ -178,6 +182,7 @@ class Runner:
     prefix_match_unit: int | None = None
     async_scheduling: bool = False
     tp: int = 1
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         block_size = max(g.block_size for g in self.groups)
@@ -185,7 +190,8 @@ class Runner:
                                   spec_decode=self.spec_decode, retention=self.retention,
                                   max_num_batched_tokens=self.max_num_batched_tokens,
                                   mamba=any(g.kind == "mamba" for g in self.groups),
-                                  prefix_match_unit=self.prefix_match_unit)
+                                  prefix_match_unit=self.prefix_match_unit,
+                                  kv_events=self.kv_events)
         self.kv_config = kv_cache_config(self.groups, self.num_blocks)
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         sched_block, hash_block = resolve_kv_cache_block_sizes(self.kv_config, self.config)
@@ -215,6 +221,9 @@ class Runner:
         self._aggregator = KVOutputAggregator(expected_finished_count=self.tp)
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, StrataConnector)
+        # Every KV cache event batch the scheduler publishes (vLLM's own and the connector's).
+        self.published: list[Any] = []
+        self.scheduler.kv_event_publisher.publish = self.published.append
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(hash_block, sha256)
         self._next_id = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from strata_harness import G, Runner, write_model_dir
@@ -684,3 +685,52 @@ def test_a_load_ends_only_when_the_slowest_rank_copied_it(runners, tmp_path: Pat
     assert second.loaded_tokens[req.request_id] == 100
     assert second.load_errors == []
     _host_tier_is_released(second)
+
+
+# ---- KV cache events (--kv-events-config) ----------------------------------------------------------
+def _events(r: Runner, kind: str, medium: str) -> list[Any]:
+    return [e for batch in r.published for e in batch.events
+            if type(e).__name__ == kind and e.medium == medium]
+
+
+def _one_more_step(r: Runner) -> None:
+    """A step whose output the scheduler sees (under async scheduling, one more to drain)."""
+    r.step()
+    r.run_until_idle()
+
+
+def _hashes(events: list[Any]) -> set[Any]:
+    return {h for e in events for h in e.block_hashes}
+
+
+def test_kv_cache_events_name_the_blocks_vllm_names(runners, tmp_path: Path) -> None:
+    """With KV cache events on, what enters kvstrata's host tier (medium CPU) and its disk
+    (STORAGE) is published with the block hashes vLLM's own GPU events carry for the same
+    blocks, so a router can tell which engine holds a prefix in which tier; evictions from the
+    host tier are published too. A restarted engine announces what it promotes from disk."""
+    store = tmp_path / "persist"
+    prompt = _prompt(96)  # six whole blocks
+    r = runners([G("full", 16)], store=store, kv_events=True)
+    r.serve(prompt, 1)
+    _host_tier_is_released(r)  # write-behind done
+    _one_more_step(r)  # an (empty) step publishes what the disk tier reported meanwhile
+    gpu = _hashes(_events(r, "BlockStored", "GPU"))
+    assert len(gpu) == 6
+    assert _hashes(_events(r, "BlockStored", "CPU")) == gpu
+    assert _hashes(_events(r, "BlockStored", "STORAGE")) == gpu
+    assert all(e.group_idx == 0 for e in _events(r, "BlockStored", "CPU"))
+    r.connector.reset_cache()  # the host tier empties: every chunk removed from CPU
+    _one_more_step(r)
+    assert _hashes(_events(r, "BlockRemoved", "CPU")) == gpu
+    r.close()
+
+    again = runners([G("full", 16)], store=store, kv_events=True)
+    assert again.serve(prompt, 1) == 96
+    assert _hashes(_events(again, "BlockStored", "CPU")) == gpu  # promoted from disk
+
+
+def test_no_kv_cache_events_unless_the_engine_asks(runners) -> None:
+    r = runners([G("full", 16)])
+    r.serve(_prompt(96), 1)
+    assert r.connector.take_events() == []
+    assert not any(e.medium in ("CPU", "STORAGE") for batch in r.published for e in batch.events)
