@@ -503,8 +503,8 @@ class Hierarchy:
             self._events.append((TIER_HOST, True, [key]))
 
     def _on_disk_removed(self, store_keys: list[bytes]) -> None:
-        # On the disk store's writer thread: no lock here (a scheduler call may hold ours while
-        # it waits on that thread); deque appends are atomic.
+        # On the thread that deleted the records (the store's writer): it takes no lock of ours,
+        # so the store never waits on the hierarchy; deque appends are atomic.
         width = len(self.namespaces[0])
         ours = set(self.namespaces)
         keys = list(dict.fromkeys(k[width:] for k in store_keys if k[:width] in ours))
@@ -596,9 +596,9 @@ class Hierarchy:
             if ok:
                 self._on_disk.add(key)
                 self._counts["writes_completed"] += 1
+                self._counts["write_bytes"] += size
                 if self._events is not None:
                     self._events.append((TIER_DISK, False, [key]))
-                self._counts["write_bytes"] += size
             else:
                 self._counts["writes_failed"] += 1
             more = self._pump_deferred()
@@ -620,9 +620,9 @@ class Hierarchy:
                 self.pool.mark_ready(key)
                 self.pool.release(key)
                 self._counts["promotions_completed"] += 1
+                self._counts["read_bytes"] += self._chunk_bytes(key)
                 if self._events is not None:
                     self._events.append((TIER_HOST, False, [key]))
-                self._counts["read_bytes"] += self._chunk_bytes(key)
             else:
                 self._on_disk.discard(key)
                 # Streamed loads pinned this entry: their complete_load must not release
