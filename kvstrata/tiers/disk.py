@@ -581,6 +581,21 @@ class DiskStore:
         self._touch(key)
         return result
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Record an access to these keys without reading them (a chunk served from the host
+        tier): eviction and ``max_age_s`` see them as recently used. Buffered in memory and
+        written with the read ticks; never blocks; unknown keys are ignored when written."""
+        if self.readonly or not keys:
+            return
+        tick = self._next_tick()  # one access time for the batch: one lock round, not one per key
+        with self._touch_lock:
+            touched = self._touched
+            for key in keys:
+                touched[key] = tick
+            many = len(touched) >= _TOUCH_FLUSH_MAX
+        if many:
+            self._submit(_CallJob(self._flush_touches, Future()))
+
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored: one short read transaction, ~0.5 µs per key (cursor seeks)."""
 

@@ -394,6 +394,10 @@ class Hierarchy:
                 return [_MISS] * len(keys)
             host = self.pool.lookup_many(keys)
             states = [_BY_HOST_STATE[s] for s in host]
+            # Host hits whose chunk is also on disk: tell the disk they were used, or its LRU
+            # (and max_age_s) would evict first the records of the chunks served most often
+            # from the host tier, losing exactly those at the next restart.
+            used = [k for k, s in zip(keys, host, strict=True) if s == _READY and k in self._on_disk]
             streamed = 0  # HIT answers that are promotions in flight (counted as pending)
             if self._promoting and (promoting is not None or stream):
                 landing = [
@@ -422,7 +426,10 @@ class Hierarchy:
                 ]
             if not candidates:
                 self._count_lookup(states, streamed)
-                return states
+        if used and self.disk is not None:
+            self.disk.touch_many([ns + k for k in used for ns in self.namespaces])
+        if not candidates:
+            return states
 
         # Presence on disk is checked outside the lock (one short LMDB read transaction).
         nss = self.namespaces

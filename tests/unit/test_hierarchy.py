@@ -79,6 +79,9 @@ class GatedDisk:
     def contains_many(self, keys):
         return self.disk.contains_many(keys)
 
+    def touch_many(self, keys):
+        return self.disk.touch_many(keys)
+
     def get_into(self, k, out):
         with self._lock:
             self.get_calls.append(k)
@@ -692,3 +695,22 @@ def test_no_events_are_kept_unless_asked_for(env):
     store(h, [key(3)])  # evicts a host chunk
     disk.delete_many([NS[0] + key(1)])
     assert h.take_events() == [] and disk.on_removed is None
+
+
+def test_chunks_served_from_the_host_tier_stay_on_disk_longest(env, tmp_path):
+    """The disk's LRU counts host-tier hits: the chunk served from host again and again keeps its
+    records when the budget evicts, the one nobody asked for goes (written later, but idle)."""
+    disk = DiskStore(tmp_path / "small", budget_bytes=40_000, codec="raw", evict_slack=0.0)
+    try:
+        h = env.hier(disk)
+        hot, idle, new = key(20), key(21), key(22)
+        for i, k in enumerate((hot, idle)):
+            store(h, [k])
+            eventually(lambda i=i: h.stats()["writes_completed"] == i + 1, "write-behind")
+        assert h.lookup_many([hot]) == [HIT]  # served from the host tier
+        store(h, [new])  # the disk holds two chunks: one must go
+        eventually(lambda: h.stats()["writes_completed"] == 3, "write-behind")
+        assert on_disk(disk, hot) and not on_disk(disk, idle) and on_disk(disk, new)
+    finally:
+        h.close()
+        disk.close()
