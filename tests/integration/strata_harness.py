@@ -10,6 +10,9 @@ byte-for-byte: a loaded page must hold the value of the block it claims to be.
 whose values also depend on the rank, their outputs merged by vLLM's own ``KVOutputAggregator``
 as its executors do: a load counts as finished only once every rank finished it.
 
+``kv_events=True`` turns vLLM's KV cache events on; every batch the scheduler publishes (its own
+GPU events and the connector's) lands in ``Runner.published``.
+
 ``async_scheduling=True`` runs vLLM's ``AsyncScheduler`` the way its engine core does on GPUs,
 where it is on by default (``step_with_batch_queue``, two steps in flight): step N is scheduled and
 executed before the scheduler sees step N-1's output, so the connector's scheduler side plans each
