@@ -1,20 +1,21 @@
 """kvstrata with vLLM's default multiprocess engine: frontend, engine core (scheduler-side
-connector) and worker (worker-side connector) in three different processes."""
+connector) and worker (worker-side connector) in three different processes; and with two
+tensor-parallel worker processes."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_harness import CASES, PROMPTS, dump, generate_step, metric, run_phase, token_ids
 
+from kvstrata.tools.engine import EngineOptions
 
-@pytest.mark.slow
-def test_multiprocess_engine_host_tier_and_restart(tmp_path: Path) -> None:
-    case = CASES["llama"]
-    model_dir = case.build(tmp_path / "model", 0)
-    opts = case.options(model_dir, tmp_path / "store", multiprocess=True,
-                        distributed_executor_backend="mp")
+
+def _host_tier_then_restart(opts: EngineOptions, tmp_path: Path) -> dict[str, Any]:
+    """Process 1: cold, reset, again (host tier); process 2 after the page cache is dropped
+    (disk tier). Both served runs give the cold tokens and hit kvstrata; returns the disk run."""
     first = run_phase(opts, [generate_step("cold"), {"op": "reset_prefix_cache"},
                              generate_step("host")], tmp_path / "first.log")
     restart = run_phase(opts, [{"op": "drop_page_cache"}, generate_step("disk")],
@@ -24,6 +25,16 @@ def test_multiprocess_engine_host_tier_and_restart(tmp_path: Path) -> None:
     assert token_ids(disk) == token_ids(cold)
     assert metric(host, "kvstrata_hit_tokens_host") >= len(PROMPTS[1]) // 2, dump(host["metrics"])
     assert metric(disk, "kvstrata_hit_tokens_disk") >= len(PROMPTS[1]) // 2, dump(disk["metrics"])
+    return disk
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_host_tier_and_restart(tmp_path: Path) -> None:
+    case = CASES["llama"]
+    model_dir = case.build(tmp_path / "model", 0)
+    opts = case.options(model_dir, tmp_path / "store", multiprocess=True,
+                        distributed_executor_backend="mp")
+    disk = _host_tier_then_restart(opts, tmp_path)
     # The tier gauges cross from the engine-core process to the frontend's metrics too. (They
     # refresh at most once a second while the engine steps; the first step of a process always
     # refreshes, and by then the store holds what process 1 wrote.)
@@ -47,15 +58,7 @@ def test_tensor_parallel_engine_host_tier_and_restart(tmp_path: Path, monkeypatc
     store = tmp_path / "store"
     opts = case.options(model_dir, store, multiprocess=True, distributed_executor_backend="mp",
                         llm_kwargs={"tensor_parallel_size": 2})
-    first = run_phase(opts, [generate_step("cold"), {"op": "reset_prefix_cache"},
-                             generate_step("host")], tmp_path / "first.log")
-    restart = run_phase(opts, [{"op": "drop_page_cache"}, generate_step("disk")],
-                        tmp_path / "restart.log")
-    cold, host, disk = first["cold"], first["host"], restart["disk"]
-    assert token_ids(host) == token_ids(cold)
-    assert token_ids(disk) == token_ids(cold)
-    assert metric(host, "kvstrata_hit_tokens_host") >= len(PROMPTS[1]) // 2, dump(host["metrics"])
-    assert metric(disk, "kvstrata_hit_tokens_disk") >= len(PROMPTS[1]) // 2, dump(disk["metrics"])
+    _host_tier_then_restart(opts, tmp_path)
     spaces = namespaces_of(store, str(model_dir))
     with DiskStore(store, budget_bytes=1 << 40, readonly=True, create=False) as d:
         ranks = sorted(int(d.namespaces()[ns]["tp_rank"]) for ns in spaces)
