@@ -302,7 +302,7 @@ class DiskStore:
         # once their transaction committed; called on the thread that deleted them, so it must
         # not wait on this store. The tier hierarchy turns them into KV cache events.
         self.on_removed: Callable[[list[bytes]], None] | None = None
-        self._removed = threading.local()  # keys deleted by this thread's open write txn
+        self._removed = threading.local()  # keys deleted by this thread's latest write txn
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock_fd: int | None = None
         self._recovered = threading.Event()
@@ -505,7 +505,8 @@ class DiskStore:
     ) -> T:
         """Run ``fn`` in one transaction (committed when ``write``), retrying after MapResized."""
         for _ in range(8):
-            self._removed.keys = []
+            if write:  # records deleted in this transaction, reported once it commits
+                self._removed.keys = []
             try:
                 with self._gate.shared():
                     if self._closed:
@@ -517,8 +518,6 @@ class DiskStore:
                 return result
             except lmdb.MapResizedError:
                 self._adopt_map_size()
-            finally:
-                self._removed.keys = []
         raise StoreUnavailableError(
             f"store at {self.path}: map keeps being resized by another process"
         )

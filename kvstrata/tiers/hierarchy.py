@@ -397,7 +397,13 @@ class Hierarchy:
             # Host hits whose chunk is also on disk: tell the disk they were used, or its LRU
             # (and max_age_s) would evict first the records of the chunks served most often
             # from the host tier, losing exactly those at the next restart.
-            used = [k for k, s in zip(keys, host, strict=True) if s == _READY and k in self._on_disk]
+            # Without a disk tier _on_disk stays empty and the scan is skipped.
+            on_disk = self._on_disk
+            used = (
+                [k for k, s in zip(keys, host, strict=True) if s == _READY and k in on_disk]
+                if on_disk
+                else []
+            )
             streamed = 0  # HIT answers that are promotions in flight (counted as pending)
             if self._promoting and (promoting is not None or stream):
                 landing = [
