@@ -159,7 +159,7 @@ class Hierarchy:
         host_pool.on_evict = self._on_evict
         # (tier, removed, keys) batches for KV cache events; None when nobody listens.
         self._events: deque[tuple[str, bool, list[bytes]]] | None = deque() if events else None
-        if events and disk is not None:
+        if disk is not None:
             disk.on_removed = self._on_disk_removed
 
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="kvstrata-read")
@@ -516,12 +516,18 @@ class Hierarchy:
             self._events.append((TIER_HOST, True, [key]))
 
     def _on_disk_removed(self, store_keys: list[bytes]) -> None:
-        # On the thread that deleted the records (the store's writer): it takes no lock of ours,
-        # so the store never waits on the hierarchy; deque appends are atomic.
+        # On the thread that deleted the records (the store's writer, or a tool's): it takes no
+        # lock of ours, so the store never waits on the hierarchy. Single set and deque calls
+        # are atomic; a lookup racing with this one at worst skips or repeats one write-behind.
         width = len(self.namespaces[0])
         ours = set(self.namespaces)
         keys = list(dict.fromkeys(k[width:] for k in store_keys if k[:width] in ours))
-        if keys and self._events is not None:
+        if not keys:
+            return
+        # A resident chunk whose records the disk evicted must be written again when it is
+        # admitted next (admission > 1 re-offers resident chunks), or it is lost at restart.
+        self._on_disk.difference_update(keys)
+        if self._events is not None:
             self._events.append((TIER_DISK, True, keys))
 
     # ---- write-behind ----------------------------------------------------------------------------
