@@ -300,7 +300,8 @@ class DiskStore:
         self._stop = threading.Event()
         # Told the store keys of records deleted (evicted, expired, dropped as corrupt, deleted)
         # once their transaction committed; called on the thread that deleted them, so it must
-        # not wait on this store. The tier hierarchy turns them into KV cache events.
+        # not wait on this store. The tier hierarchy forgets those chunks' disk copies and turns
+        # them into KV cache events.
         self.on_removed: Callable[[list[bytes]], None] | None = None
         self._removed = threading.local()  # keys deleted by this thread's latest write txn
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
