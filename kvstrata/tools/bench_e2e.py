@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeat": args.repeat,
         **_medians(mine),
         "outputs_identical": all(r["outputs_identical"] for r in mine),
+        "matching_tokens": {k: min(r["matching_tokens"][k] for r in mine) for k in ("host", "disk")},
         "host_hit_tokens": min(r["host_hit_tokens"] for r in mine),
         "disk_hit_tokens": min(r["disk_hit_tokens"] for r in mine),
         "page_cache_dropped": all(r["page_cache_dropped"] for r in mine),

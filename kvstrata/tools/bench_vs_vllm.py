@@ -12,7 +12,9 @@ alike:
   restart with the page cache dropped, runs it once more (served from disk). As there, each
   process first runs a warm-up request (the prompt under another salt, the connector bypassed
   with ``max_load_tokens``/``max_offload_tokens`` 0, which vLLM's OffloadingConnector honours
-  too), and prefill chunks are aligned so every run computes the same tail;
+  too), and prefill chunks are aligned so that each cold run ends with the chunk that system's
+  cached runs compute (the partial last block for vLLM's tiers, one token for kvstrata, which
+  serves that block too): outputs are compared with the cold run of matching chunks;
 * **local**: vLLM without a connector, the prompt twice in one process: the second request is
   vLLM's own in-memory prefix-cache hit, the bar a disk tier would like to match.
 
@@ -113,13 +115,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plain_options(model: Path, args: argparse.Namespace) -> EngineOptions:
-    """kvstrata's engine settings for ``args.prompt_tokens`` (pinned block size, aligned prefill
-    chunks: :func:`kvstrata.tools.ttft.engine_options`) without any connector."""
+    """kvstrata's engine settings for ``args.prompt_tokens`` (pinned block size, prefill chunks
+    aligned for a cache of whole blocks: :func:`kvstrata.tools.ttft.engine_options`) without any
+    connector."""
     return ttft.engine_options(
         str(model), None, args.prompt_tokens,
         host_bytes=parse_size("--host-bytes", args.host_bytes),
         kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes),
-        max_model_len=MAX_MODEL_LEN, multiprocess=not getattr(args, "in_process", False))
+        max_model_len=MAX_MODEL_LEN, multiprocess=not getattr(args, "in_process", False),
+        serves_partial_blocks=False)
 
 
 def vllm_fs_contender(model: Path, args: argparse.Namespace) -> Contender:
@@ -273,22 +277,29 @@ def summarise_length(requested: int, prompt_tokens: int,
     r["vllm_fs_cold_ttft_s"] = _median([x["cold_ttft_s"] for x in fs])
     r["kvstrata_disk_vs_cold"] = _ratio(r["kvstrata_disk_ttft_s"], r["cold_ttft_s"])
     r["vllm_fs_disk_vs_cold"] = _ratio(r["vllm_fs_disk_ttft_s"], r["cold_ttft_s"])
-    # Every request of both systems against vLLM's own cold output (no connector).
-    reference = local[0]["cold_token_ids"]
-    same = {name: all(t == reference for x in group for t in x["token_ids"].values())
+    # Every request against a cold output whose prefill ended with the chunk that system's
+    # cached runs compute (ttft.aligned_prefill_chunk): vLLM without a connector for vLLM's fs
+    # tier (both recompute the partial last block), kvstrata's first cold run for kvstrata (it
+    # serves that block too and computes one token). Every cold run must match its reference.
+    reference = {VLLM_FS: local[0]["cold_token_ids"],
+                 KVSTRATA: mine[0]["token_ids"]["cold"]}
+    same = {name: all(t == reference[name] for x in group for t in x["token_ids"].values())
             for name, group in ((KVSTRATA, mine), (VLLM_FS, fs))}
     r["outputs_identical"] = all(same.values()) and all(
-        x["cold_token_ids"] == reference for x in local)
+        x["cold_token_ids"] == reference[VLLM_FS] for x in local)
     r["outputs_identical_by_system"] = same
-    # bf16 greedy decoding can flip a near-tied token when a prefill resumes from cached KV
-    # (other matmul shapes): whether vLLM's own prefix-cache hit matches its cold run says if a
-    # difference is the tier's fault, and the matching leading tokens say how close it came.
-    r["local_prefix_identical"] = all(x["local_token_ids"] == reference for x in local)
+    # Whether the two chunkings' cold runs agree: bf16 rounds a token computed alone differently
+    # from the same token inside a chunk, which can flip a near-tied greedy choice.
+    r["cold_outputs_agree_across_chunkings"] = reference[KVSTRATA] == reference[VLLM_FS]
+    # vLLM's own prefix-cache hit recomputes a whole block even for a prompt of whole blocks,
+    # so it may differ from its cold run for the same reason; the matching leading tokens say
+    # how close each came.
+    r["local_prefix_identical"] = all(x["local_token_ids"] == reference[VLLM_FS] for x in local)
     r["matching_tokens"] = {
-        name: min(_common_prefix(t, reference) for x in group for t in x["token_ids"].values())
+        name: min(ttft.common_prefix(t, reference[name]) for x in group for t in x["token_ids"].values())
         for name, group in ((KVSTRATA, mine), (VLLM_FS, fs))}
     r["matching_tokens"]["local_prefix"] = min(
-        _common_prefix(x["local_token_ids"], reference) for x in local)
+        ttft.common_prefix(x["local_token_ids"], reference[VLLM_FS]) for x in local)
     # What the engine says served the prefix (vLLM's per-source prefix-cache accounting).
     for name, group in ((KVSTRATA, mine), (VLLM_FS, fs)):
         r[f"{name}_host_hit_tokens"] = min(x["host_hit_tokens"] for x in group)
@@ -304,15 +315,6 @@ def summarise_length(requested: int, prompt_tokens: int,
         for key, bound in GOALS.items()}}
     r["runs"] = {name: [_run_figures(x) for x in group] for name, group in runs.items()}
     return r
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _run_figures(run: dict[str, Any]) -> dict[str, Any]:

@@ -15,12 +15,17 @@ Two details keep the comparison fair and the outputs comparable bit for bit:
   therefore first runs the same prompt under another cache salt with kvstrata bypassed
   (``max_load_tokens`` / ``max_offload_tokens`` 0), so that cost is in none of the timings and
   nothing of the warm-up is stored.
-* **Aligned prefill.** A request served from a cache computes only the prompt's tail (one token
-  when the prompt is whole blocks). In bf16 a token computed inside a large prefill chunk rounds
-  differently from the same token computed alone, and greedy decoding drifts apart after a few
-  dozen tokens, whatever the cache (vLLM's own prefix cache too). :func:`aligned_prefill_chunk`
-  sizes the prefill chunks so that the cold run computes that tail as its own last chunk: every
-  run then performs the same computations on the same bytes.
+* **Aligned prefill.** A request served from a cache computes only the prompt's tail. In bf16 a
+  token computed inside a large prefill chunk rounds differently from the same token computed
+  alone, and greedy decoding drifts apart after a few tokens, whatever the cache (vLLM's own
+  prefix cache too). :func:`aligned_prefill_chunk` sizes the prefill chunks so that the cold run
+  computes that tail as its own last chunk: every run then performs the same computations on the
+  same bytes. The tail depends on the cache: vLLM's tiers serve whole blocks and recompute the
+  partial last block; kvstrata also serves that partial block (stored when the request finished)
+  and computes one token whatever the prompt's length. Measured at 8176 tokens (block 128) on an
+  AVX2-only machine: a cold prefill ending with the 112-token chunk vLLM recomputes and
+  kvstrata's one-token tail agreed on 4 of 16 greedy tokens; with the cold run ending with a
+  one-token chunk, cold, host-tier and disk-tier outputs were identical.
 
 The engine options are a parameter so that other backends (e.g. vLLM's own fs tier) can run through
 the same phases and be compared like for like.
@@ -39,27 +44,31 @@ SOURCE_DISK = "vllm:prompt_tokens_cached_by_source{source=disk}"
 BYPASS_KVSTRATA = {"max_load_tokens": 0, "max_offload_tokens": 0}
 
 
-def aligned_prefill_chunk(prompt_tokens: int, block_size: int) -> int:
+def aligned_prefill_chunk(prompt_tokens: int, block_size: int, *, serves_partial_blocks: bool) -> int:
     """``max_num_batched_tokens`` that makes a cold prefill end with the chunk a cached run computes.
 
-    A cached run loads whole blocks and computes the rest; a prompt of whole blocks still computes
-    its last token (vLLM never serves the entire prompt from cache).
+    A cache of whole blocks (vLLM's) loads them and computes the rest; one that also serves the
+    partial last block (kvstrata) computes only the last token. Either way a prompt of whole
+    blocks still computes its last token: vLLM never serves the entire prompt from cache.
     """
-    tail = prompt_tokens % block_size or 1
+    tail = 1 if serves_partial_blocks else (prompt_tokens % block_size or 1)
     return max(1, prompt_tokens - tail)
 
 
 def engine_options(model: str, store: str | None, prompt_tokens: int, *, host_bytes: int,
                    kv_cache_bytes: int, max_model_len: int = 8192,
-                   multiprocess: bool = True) -> EngineOptions:
+                   multiprocess: bool = True, serves_partial_blocks: bool = True) -> EngineOptions:
     """Engine settings for one long prompt: pinned block size, aligned prefill chunks.
+
+    ``serves_partial_blocks``: the cache under test serves the prompt's partial last block, as
+    kvstrata does (False for vLLM's own tiers and prefix cache): :func:`aligned_prefill_chunk`.
 
     ``multiprocess`` (vLLM's default, as under ``vllm serve``) keeps the frontend's Python out of
     the engine-core process. In-process, the frontend's output loop shares a GIL with kvstrata's
     I/O threads, presumably why a disk-tier load measured 0.57-0.70 s there against 0.23 s in the
     multiprocess engine (4k tokens, SmolLM2) while the other requests barely changed.
     """
-    chunk = aligned_prefill_chunk(prompt_tokens, BLOCK_SIZE)
+    chunk = aligned_prefill_chunk(prompt_tokens, BLOCK_SIZE, serves_partial_blocks=serves_partial_blocks)
     return EngineOptions(
         model=model, store=store, host_bytes=host_bytes, kv_cache_memory_bytes=kv_cache_bytes,
         max_model_len=max_model_len, block_size=BLOCK_SIZE,
@@ -123,6 +132,9 @@ def summarise(steps: dict[str, dict[str, Any]], page_cache_dropped: bool) -> dic
         "host_ttft_s": _r(ttft["host"]),
         "disk_ttft_s": _r(ttft["disk"]),
         "outputs_identical": cold["token_ids"] == host["token_ids"] == disk["token_ids"],
+        # Leading tokens equal to the cold run's: where a difference starts, if there is one.
+        "matching_tokens": {"host": common_prefix(host["token_ids"], cold["token_ids"]),
+                            "disk": common_prefix(disk["token_ids"], cold["token_ids"])},
         "disk_vs_cold": _ratio(ttft["disk"], ttft["cold"]),
         "disk_vs_host": _ratio(ttft["disk"], ttft["host"]),
         "host_vs_cold": _ratio(ttft["host"], ttft["cold"]),
@@ -131,6 +143,16 @@ def summarise(steps: dict[str, dict[str, Any]], page_cache_dropped: bool) -> dic
         "disk_hit_tokens": int(disk_m.get(SOURCE_DISK, 0)),
         "page_cache_dropped": page_cache_dropped,
     }
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _r(x: float | None) -> float | None:
