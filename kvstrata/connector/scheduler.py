@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -116,6 +116,8 @@ class StrataScheduler:
         # Jobs in flight when the cache was reset: their completions only release host slots.
         self._stale: dict[int, _Job] = {}
         self._loads: list[TransferJob] = []
+        # Hand-offs of requests that finished (register_finished_partial_tail): next step's stores.
+        self._finished_hand_offs: list[TransferJob] = []
         self._flush: set[int] = set()
         self._allocated: set[int] = set()
         self._block_jobs: dict[int, set[int]] = {}
@@ -389,7 +391,8 @@ class StrataScheduler:
         if self._block_jobs and not self._block_jobs.keys().isdisjoint(self._allocated):
             for bid in self._allocated & self._block_jobs.keys():
                 self._flush.update(self._block_jobs[bid])
-        stores = self._boundary_store_jobs(so) + self._store_jobs(so) + self._prompt_tail_store_jobs(so)
+        stores = self._finished_hand_offs + self._boundary_store_jobs(so) + self._store_jobs(so) + self._prompt_tail_store_jobs(so)
+        self._finished_hand_offs = []
         meta = StrataMetadata(loads=self._loads, stores=stores, flush=self._flush)
         for req_id in so.finished_req_ids or ():
             self._awaiting.discard(req_id)
@@ -557,31 +560,50 @@ class StrataScheduler:
         jobs = []
         for req_id, entries in offers.items():
             st = self._reqs.get(req_id)
-            if st is None:
-                continue
-            req = st.req
-            max_boundary = semantics.offloadable_tokens(
-                num_computed=req.num_tokens, num_scheduled=0, num_tokens=req.num_tokens,
-                num_prompt_tokens=req.num_prompt_tokens, finished=False, aborted=False,
-                offload_prompt_only=self.offload_prompt_only, max_offload_tokens=st.max_offload_tokens,
-            )
-            for t in semantics.plan_boundary_stores(
-                self.layout, entries, offloadable=max_boundary, block_hashes=req.block_hashes
-            ):
-                job = self._fenced_store_job(st, [t])
-                if job is not None:
-                    jobs.append(job)
-            tail_limit = req.num_prompt_tokens
-            if st.max_offload_tokens is not None:
-                tail_limit = min(tail_limit, st.max_offload_tokens)
-            for transfers in semantics.plan_partial_tail_stores(
-                self.layout, entries, block_ids={g: gs.block_ids for g, gs in st.groups.items()},
-                block_hashes=req.block_hashes, max_boundary=tail_limit,
-            ):
-                job = self._fenced_store_job(st, transfers)
-                if job is not None:
-                    jobs.append(job)
+            if st is not None:
+                jobs.extend(self._hand_off_store_jobs(st, entries))
         return jobs
+
+    def _hand_off_store_jobs(self, st: _RequestState, entries: Sequence[tuple[int, int, int]]) -> list[TransferJob]:
+        """Fenced store jobs for one request's hand-offs ``(group, block_id, boundary_tokens)``."""
+        req = st.req
+        jobs = []
+        max_boundary = semantics.offloadable_tokens(
+            num_computed=req.num_tokens, num_scheduled=0, num_tokens=req.num_tokens,
+            num_prompt_tokens=req.num_prompt_tokens, finished=False, aborted=False,
+            offload_prompt_only=self.offload_prompt_only, max_offload_tokens=st.max_offload_tokens,
+        )
+        for t in semantics.plan_boundary_stores(
+            self.layout, entries, offloadable=max_boundary, block_hashes=req.block_hashes
+        ):
+            job = self._fenced_store_job(st, [t])
+            if job is not None:
+                jobs.append(job)
+        tail_limit = req.num_prompt_tokens
+        if st.max_offload_tokens is not None:
+            tail_limit = min(tail_limit, st.max_offload_tokens)
+        for transfers in semantics.plan_partial_tail_stores(
+            self.layout, entries, block_ids={g: gs.block_ids for g, gs in st.groups.items()},
+            block_hashes=req.block_hashes, max_boundary=tail_limit,
+        ):
+            job = self._fenced_store_job(st, transfers)
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def register_finished_partial_tail(
+        self, request: Request, offers: Sequence[tuple[int, int, int]]
+    ) -> bool:
+        """A request ends at the replay boundary it was split at, before the next chunk's
+        copy-on-write handed its Mamba state off: vLLM offers the state's table block now
+        (producers only). The jobs go out with the next step's stores. Returns False: vLLM may
+        free the blocks, since the jobs are fenced like every hand-off (a block given to another
+        request is copied before that step's forward)."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not offers:
+            return False
+        self._finished_hand_offs.extend(self._hand_off_store_jobs(st, list(offers)))
+        return False
 
     def _fenced_store_job(self, st: _RequestState, transfers: list[Any]) -> TransferJob | None:
         """One store job for the transfers the store accepts, their blocks fenced at once (the

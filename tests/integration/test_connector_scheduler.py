@@ -431,6 +431,41 @@ def test_partial_tail_served_from_disk_after_restart(runners, tmp_path: Path) ->
 
 
 
+def test_partial_tail_of_a_request_that_finishes_at_its_boundary(runners) -> None:
+    """A request that ends right after the prefill chunk that stops at its replay boundary (28),
+    before the next chunk's copy-on-write hands the Mamba state off, offers that state through
+    ``register_finished_partial_tail``: kvstrata stores it, and the same prompt is served up to
+    28 tokens. vLLM frees the request's blocks at once; the store's copy runs before any of them
+    is handed to another request (the fence)."""
+    from vllm.v1.request import RequestStatus
+
+    r = runners(PARTIAL_TAIL, prefix_match_unit=4)
+    offered: list[Any] = []
+    hook = r.connector.register_finished_partial_tail
+    r.connector.register_finished_partial_tail = lambda *a: offered.append(a[2]) or hook(*a)
+    req = r.add(_prompt(30), max_tokens=3)
+    steps = 0
+    while req.num_computed_tokens < 28 and steps < 4:  # align mode: prefill chunks end at 16, 28
+        r.step()
+        steps += 1
+    assert req.num_computed_tokens == 28  # the prefill split at the replay boundary
+    r.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    if r.async_scheduling:
+        # The next chunk is already scheduled (tokens in flight): vLLM offers no tail then, and
+        # only the complete chunk is served.
+        assert offered == []
+        expected = 16
+    else:
+        assert offered and offered[0][0][2] == 28  # (group, table block, boundary)
+        expected = 28
+    # A new request takes blocks now: the one the state sits in may be among them.
+    assert r.serve(_prompt(40, seed=2), 1) == 0
+    r.run_until_idle()
+    r.drop_gpu_prefix_cache()
+    assert r.serve(_prompt(30), 1) == expected
+    assert r.load_errors == []
+
+
 def test_partial_tail_from_a_kernel_checkpoint(runners, tmp_path: Path) -> None:
     """A kernel that saves the checkpoint inside the forward (vLLM's Mamba2 layers) does not
     split a one-chunk prefill: the only Mamba state handed off is the one at the tail (28), none
