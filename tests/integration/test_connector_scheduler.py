@@ -435,14 +435,18 @@ def test_partial_tail_of_a_request_that_finishes_at_its_boundary(runners) -> Non
     """A request that ends right after the prefill chunk that stops at its replay boundary (28),
     before the next chunk's copy-on-write hands the Mamba state off, offers that state through
     ``register_finished_partial_tail``: kvstrata stores it, and the same prompt is served up to
-    28 tokens. vLLM frees the request's blocks at once; the store's copy runs before any of them
-    is handed to another request (the fence)."""
+    28 tokens. vLLM frees the request's blocks at once; with 8 blocks the next step hands them to
+    new requests, and the fenced store is copied before that step's forward (a flush)."""
     from vllm.v1.request import RequestStatus
 
-    r = runners(PARTIAL_TAIL, prefix_match_unit=4)
+    r = runners(PARTIAL_TAIL, prefix_match_unit=4, num_blocks=8)
     offered: list[Any] = []
     hook = r.connector.register_finished_partial_tail
     r.connector.register_finished_partial_tail = lambda *a: offered.append(a[2]) or hook(*a)
+    flushed: list[set[int]] = []
+    worker = r.workers[0]
+    handle = worker.handle_preemptions
+    worker.handle_preemptions = lambda meta: flushed.append(set(meta.flush)) or handle(meta)
     req = r.add(_prompt(30), max_tokens=3)
     steps = 0
     while req.num_computed_tokens < 28 and steps < 4:  # align mode: prefill chunks end at 16, 28
@@ -458,8 +462,11 @@ def test_partial_tail_of_a_request_that_finishes_at_its_boundary(runners) -> Non
     else:
         assert offered and offered[0][0][2] == 28  # (group, table block, boundary)
         expected = 28
-    # A new request takes blocks now: the one the state sits in may be among them.
-    assert r.serve(_prompt(40, seed=2), 1) == 0
+    flushed.clear()
+    for seed in (2, 3, 4, 5):  # more blocks than were never used: the freed ones go too
+        r.add(_prompt(12, seed=seed), max_tokens=1)
+    r.step()
+    assert any(flushed) == (not r.async_scheduling)
     r.run_until_idle()
     r.drop_gpu_prefix_cache()
     assert r.serve(_prompt(30), 1) == expected
