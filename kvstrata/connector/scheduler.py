@@ -602,7 +602,7 @@ class StrataScheduler:
         st = self._reqs.get(request.request_id)
         if st is None or not offers:
             return False
-        self._finished_hand_offs.extend(self._hand_off_store_jobs(st, list(offers)))
+        self._finished_hand_offs.extend(self._hand_off_store_jobs(st, offers))
         return False
 
     def _fenced_store_job(self, st: _RequestState, transfers: list[Any]) -> TransferJob | None:
