@@ -98,6 +98,11 @@ class StrataConfig:
     # thread; 82 ms at 0.5 ms). Only ever lowered; null leaves it alone. No cost while kvstrata's
     # threads are idle: a switch is forced only when another thread waits for the GIL.
     python_switch_interval_s: float | None = 0.0005
+    # With vLLM's KV cache events on: publish each stored chunk with its block hashes, parent,
+    # token ids and block size (vLLM's OffloadingConnector option of the same name), so routers
+    # that hash tokens their own way can index kvstrata's tiers. Keeps a snapshot of each chunk's
+    # tokens while the chunk is in a tier.
+    self_describing_kv_events: bool = False
 
     def resolve_io_threads(self) -> int:
         """The number of disk read threads (``io_threads``, "auto" resolved here)."""
@@ -228,6 +233,7 @@ _VALIDATORS = {
     "host_shm_dir": _optional_path,
     "stream_loads": _auto_or(_bool),
     "python_switch_interval_s": _optional_seconds,
+    "self_describing_kv_events": _bool,
 }
 
 

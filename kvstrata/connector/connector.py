@@ -143,12 +143,19 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             hierarchy, self._owned, self._session_dir = build_hierarchy(
                 self.plan, self.cfg, events=events)
             _lower_switch_interval(self.cfg.python_switch_interval_s)
+            kv_events = None
+            if events:
+                from kvstrata.connector.events import KVEvents
+
+                kv_events = KVEvents(self.plan.layout.groups, kv_cache_config.kv_cache_groups,
+                                     self_describing=self.cfg.self_describing_kv_events)
             self._scheduler = StrataScheduler(
                 self.plan,
                 hierarchy,
                 offload_prompt_only=self.cfg.offload_prompt_only,
                 prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                 stream_loads=stream_loads,
+                events=kv_events,
             )
             logger.info(
                 "kvstrata: store %s, host tier %d slots x %d bytes, groups %s",

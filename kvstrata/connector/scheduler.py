@@ -21,7 +21,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 from kvstrata.connector import semantics
-from kvstrata.connector.events import kv_cache_events
+from kvstrata.connector.events import KVEvents
 from kvstrata.connector.metadata import (
     ChunkCopy,
     StrataMetadata,
@@ -31,6 +31,7 @@ from kvstrata.connector.metadata import (
 from kvstrata.connector.plan import KVPlan
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
+from kvstrata.tiers.hierarchy import chunk_group
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class _GroupState:
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     next_stored_chunk: int = 0
+    # key -> chunk index, kept only for self-describing KV events
+    chunk_of: dict[bytes, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,9 +101,12 @@ def _request_cap(req: Request, name: str) -> int | None:
 class StrataScheduler:
     def __init__(
         self, plan: KVPlan, hierarchy: Any, *, offload_prompt_only: bool, prefix_caching: bool,
-        stream_loads: bool = False,
+        stream_loads: bool = False, events: KVEvents | None = None,
     ):
         self.plan = plan
+        # KV cache events (None: the engine publishes none); self-describing payloads need each
+        # chunk's request, so store plans and lookup hits are recorded as they happen.
+        self.events = events
         # Disk hits are answered before their chunks landed and loaded as they land (see
         # Hierarchy.prepare_streamed_load); only under kv_load_failure_policy="recompute".
         self.stream_loads = stream_loads
@@ -139,9 +145,13 @@ class StrataScheduler:
 
     def _refresh_keys(self, st: _RequestState) -> None:
         hashes = st.req.block_hashes
+        indexed = self.events is not None and self.events.self_describing
         for geom in self.layout.groups:
             gs = st.groups[geom.index]
-            gs.keys.extend(semantics.chunk_keys(hashes, geom, start=len(gs.keys)))
+            start = len(gs.keys)
+            gs.keys.extend(semantics.chunk_keys(hashes, geom, start=start))
+            if indexed and geom.kind is semantics.GroupKind.FULL:
+                gs.chunk_of.update((gs.keys[i], i) for i in range(start, len(gs.keys)))
 
     # ------------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(
@@ -167,6 +177,8 @@ class StrataScheduler:
             keys = list(keys)
             answers = list(self.hierarchy.lookup_many(keys, st.promoted, stream=self.stream_loads))
             pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
+            if self.events is not None and self.events.self_describing:
+                self._record_lookup_hits(st, keys, answers)
             return answers
 
         hit = semantics.lookup_hit(
@@ -216,6 +228,17 @@ class StrataScheduler:
         self.stats.observe_lookup_delay(time.monotonic() - st.lookup_started)
         st.lookup_started = None
         return hit, hit > 0
+
+    def _record_lookup_hits(self, st: _RequestState, keys: list[bytes], answers: list[Presence]) -> None:
+        """Snapshot the request for every chunk of a full-attention group a lookup found, so its
+        promotion and later removals are published with their tokens (KV events)."""
+        assert self.events is not None
+        for key, answer in zip(keys, answers, strict=True):
+            if answer is Presence.HIT or answer is Presence.PENDING:
+                group = chunk_group(key)
+                index = st.groups[group].chunk_of.get(key) if group in st.groups else None
+                if index is not None:
+                    self.events.record_lookup(st.req, group, index, key)
 
     def get_external_cache_hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
         st = self._reqs.get(request.request_id)
@@ -528,6 +551,7 @@ class StrataScheduler:
     def _store_job(self, st: _RequestState, chosen: list[Any], slots: dict[bytes, int]) -> TransferJob:
         copies = [ChunkCopy(c.group, slots[c.key], c.first_block_in_chunk, tuple(c.block_ids)) for c in chosen]
         job_id = self._new_job(st, is_store=True, keys=[c.key for c in chosen])
+        self._record_stores(st, chosen)
         job = self._jobs[job_id]
         for c in chosen:
             geom = self._geom(c.group)
@@ -543,6 +567,16 @@ class StrataScheduler:
             self._fence_deferred(job_id, job)
         self.stats.store_jobs += 1
         return TransferJob(job_id, st.req.request_id, True, copies)
+
+    def _record_stores(self, st: _RequestState, chosen: list[Any]) -> None:
+        """KV events: snapshot the request for each complete chunk about to be stored (a
+        prompt's tail or a partial tail has no complete chunk's payload and keeps the
+        placeholder)."""
+        if self.events is None or not self.events.self_describing:
+            return
+        for t in chosen:
+            if st.groups[t.group].chunk_of.get(t.key) == t.chunk_index:
+                self.events.record_store(st.req, t.group, t.chunk_index, t.key)
 
     def _fence_deferred(self, job_id: int, job: _Job) -> None:
         for bid in job.deferred_fence:
@@ -613,6 +647,7 @@ class StrataScheduler:
             return None
         chosen, slots = reserved
         job_id = self._new_job(st, is_store=True, keys=[t.key for t in chosen])
+        self._record_stores(st, chosen)
         for t in chosen:
             self._jobs[job_id].fenced.extend(t.block_ids)
             for bid in t.block_ids:
@@ -733,7 +768,7 @@ class StrataScheduler:
         """vLLM KV cache events for what entered or left kvstrata's tiers since the last call
         (empty unless the engine has KV cache events on)."""
         changes = self.hierarchy.take_events()
-        return list(kv_cache_events(changes)) if changes else []
+        return self.events.translate(changes) if changes and self.events is not None else []
 
     def take_stats(self) -> StrataStats | None:
         # vLLM asks every step; tier figures (which read the store) are refreshed once a second.

@@ -771,6 +771,76 @@ def test_kv_cache_events_name_the_blocks_vllm_names(runners, tmp_path: Path) -> 
     assert _hashes(_events(again, "BlockStored", "CPU")) == gpu  # promoted from disk
 
 
+def _gpu_blocks(r: Runner) -> dict[Any, Any]:
+    """vLLM's own GPU ``BlockStored`` payloads, by block hash: (parent, token ids, block size)."""
+    out = {}
+    for e in _events(r, "BlockStored", "GPU"):
+        size = e.block_size
+        for i, h in enumerate(e.block_hashes):
+            parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
+            out[h] = (parent, list(e.token_ids[i * size:(i + 1) * size]), size)
+    return out
+
+
+def _chunk_payloads(events: list[Any]) -> dict[Any, Any]:
+    """Self-describing chunk events as vLLM's GPU payloads per block (same shape as _gpu_blocks)."""
+    out = {}
+    for e in events:
+        size = e.block_size
+        assert size > 0 and len(e.token_ids) == size * len(e.block_hashes), e
+        for i, h in enumerate(e.block_hashes):
+            parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
+            out[h] = (parent, list(e.token_ids[i * size:(i + 1) * size]), size)
+    return out
+
+
+def test_self_describing_kv_events_carry_each_chunks_blocks_and_tokens(runners, tmp_path: Path) -> None:
+    """``self_describing_kv_events``: every chunk (two blocks here) entering the host tier (CPU)
+    or the disk (STORAGE) is published with the hashes, parents, token ids and block size vLLM's
+    own GPU events give its blocks; removals name every block hash of the chunk; and a restarted
+    engine describes what it promotes from disk, learnt from the lookup that asked for it."""
+    store = tmp_path / "persist"
+    prompt = _prompt(96)  # six blocks, three chunks
+    extra = {"self_describing_kv_events": True, "blocks_per_chunk": 2}
+    r = runners([G("full", 16)], store=store, kv_events=True, extra=extra)
+    r.serve(prompt, 1)
+    _host_tier_is_released(r)
+    _one_more_step(r)
+    gpu = _gpu_blocks(r)
+    assert len(gpu) == 6
+    cpu_events = _events(r, "BlockStored", "CPU")
+    assert len(cpu_events) == 3 and all(len(e.block_hashes) == 2 for e in cpu_events)
+    assert _chunk_payloads(cpu_events) == gpu
+    assert _chunk_payloads(_events(r, "BlockStored", "STORAGE")) == gpu
+    assert {e.kv_cache_spec_kind for e in cpu_events} == {"full_attention"}
+    r.connector.reset_cache()  # the host tier empties
+    _one_more_step(r)
+    assert _hashes(_events(r, "BlockRemoved", "CPU")) == set(gpu)
+    # Still on disk: their payloads stay known for the disk's own removals.
+    assert r.connector.scheduler.events.tracked() == 3
+    r.close()
+
+    again = runners([G("full", 16)], store=store, kv_events=True, extra=extra)
+    assert again.serve(prompt, 1) == 96
+    assert _chunk_payloads(_events(again, "BlockStored", "CPU")) == gpu  # promoted, described
+
+
+def test_self_describing_kv_events_keep_the_placeholder_for_windowed_groups(runners) -> None:
+    """A sliding-window group's chunks keep vLLM's placeholder payload (no token ids) while the
+    full-attention group's chunks of the same prompt are described."""
+    extra = {"self_describing_kv_events": True}
+    r = runners([G("full", 16), G("sw", 16, window=32)], kv_events=True, extra=extra)
+    r.serve(_prompt(96), 1)
+    _host_tier_is_released(r)
+    _one_more_step(r)
+    cpu = _events(r, "BlockStored", "CPU")
+    full = [e for e in cpu if e.group_idx == 0]
+    windowed = [e for e in cpu if e.group_idx == 1]
+    assert full and windowed
+    assert all(e.token_ids and e.block_size == 16 for e in full)
+    assert all(e.token_ids == [] and e.block_size == 0 for e in windowed)
+
+
 def test_no_kv_cache_events_unless_the_engine_asks(runners) -> None:
     r = runners([G("full", 16)])
     r.serve(_prompt(96), 1)
