@@ -74,6 +74,9 @@ class EngineOptions:
     # starts several times faster. True is vLLM's default: the engine core in its own process.
     multiprocess: bool = False
     seed: int = 0
+    # vLLM's KVEventsConfig fields (e.g. {"enable_kv_cache_events": true, "publisher": "zmq",
+    # "endpoint": ...}); ``LLM`` takes only the config object for it.
+    kv_events_config: dict[str, Any] | None = None
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -129,6 +132,10 @@ def build_llm(opts: EngineOptions) -> LLM:
         value = getattr(opts, name)
         if value is not None:
             kwargs[name] = value
+    if opts.kv_events_config is not None:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**opts.kv_events_config)
     kwargs.update(opts.llm_kwargs)
     return LLM(**kwargs)
 
