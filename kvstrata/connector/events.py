@@ -127,4 +127,3 @@ class KVEvents:
     def tracked(self) -> int:
         """Chunks whose payload snapshot is held (for tests and stats)."""
         return len(self._tracker._pending_event_metadata)
-

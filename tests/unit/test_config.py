@@ -117,3 +117,10 @@ def test_switch_interval_is_only_ever_lowered() -> None:
     assert StrataConfig.from_extra_config({"python_switch_interval_s": None}).python_switch_interval_s is None
     with pytest.raises(ConfigError, match="python_switch_interval_s"):
         StrataConfig.from_extra_config({"python_switch_interval_s": 0})
+
+
+def test_self_describing_kv_events_is_an_opt_in_bool() -> None:
+    assert StrataConfig.from_extra_config({}).self_describing_kv_events is False
+    assert StrataConfig.from_extra_config({"self_describing_kv_events": True}).self_describing_kv_events
+    with pytest.raises(ConfigError, match="self_describing_kv_events"):
+        StrataConfig.from_extra_config({"self_describing_kv_events": "sometimes"})
