@@ -771,10 +771,12 @@ def test_kv_cache_events_name_the_blocks_vllm_names(runners, tmp_path: Path) -> 
     assert _hashes(_events(again, "BlockStored", "CPU")) == gpu  # promoted from disk
 
 
-def _gpu_blocks(r: Runner) -> dict[Any, Any]:
+def _gpu_blocks(r: Runner, group: int | None = None) -> dict[Any, Any]:
     """vLLM's own GPU ``BlockStored`` payloads, by block hash: (parent, token ids, block size)."""
     out = {}
     for e in _events(r, "BlockStored", "GPU"):
+        if group is not None and e.group_idx != group:
+            continue
         size = e.block_size
         for i, h in enumerate(e.block_hashes):
             parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
@@ -839,6 +841,27 @@ def test_self_describing_kv_events_keep_the_placeholder_for_windowed_groups(runn
     assert full and windowed
     assert all(e.token_ids and e.block_size == 16 for e in full)
     assert all(e.token_ids == [] and e.block_size == 0 for e in windowed)
+
+
+def test_self_describing_kv_events_with_hashes_finer_than_blocks(runners) -> None:
+    """A Mamba-align hybrid hashed every 4 tokens (``prefix_match_unit``): the full-attention
+    chunks are described with vLLM's block-level hashes and tokens, exactly as its GPU events
+    give them; the Mamba states and the partial tails at the replay boundary (28) keep the
+    placeholder."""
+    r = runners(PARTIAL_TAIL, prefix_match_unit=4, kv_events=True,
+                extra={"self_describing_kv_events": True})
+    r.serve(_prompt(30), 1)
+    _host_tier_is_released(r)
+    _one_more_step(r)
+    cpu = _events(r, "BlockStored", "CPU")
+    described = [e for e in cpu if e.token_ids]
+    # vLLM's GPU events also name the cached 4-token pieces past the last whole block.
+    gpu_full = {h: p for h, p in _gpu_blocks(r, group=0).items() if p[2] == 16}
+    assert len(gpu_full) == 1  # one whole 16-token block of the 30-token prompt
+    assert _chunk_payloads(described) == gpu_full
+    assert all(e.group_idx == 0 for e in described)
+    placeholders = [e for e in cpu if not e.token_ids]
+    assert {e.group_idx for e in placeholders} == {0, 1}  # partial tails of both, Mamba states
 
 
 def test_no_kv_cache_events_unless_the_engine_asks(runners) -> None:
