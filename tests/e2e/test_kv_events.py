@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 from e2e_harness import CASES, PROMPTS, generate_step, run_phase, token_ids
+from kv_event_payloads import described_blocks
 
 
 class Subscriber:
@@ -54,18 +55,6 @@ def _stored(events: list[Any], medium: str) -> list[Any]:
     return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == medium]
 
 
-def _per_block(events: list[Any]) -> dict[int, tuple[Any, list[int]]]:
-    """Block hash -> (parent hash, token ids), from events that describe their blocks."""
-    out = {}
-    for e in events:
-        size = e.block_size
-        assert size > 0 and len(e.token_ids) == size * len(e.block_hashes), e
-        for i, h in enumerate(e.block_hashes):
-            parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
-            out[h] = (parent, list(e.token_ids[i * size:(i + 1) * size]))
-    return out
-
-
 @pytest.mark.slow
 def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> None:
     case = CASES["llama"]
@@ -91,12 +80,12 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
     assert token_ids(restart["disk"]) == token_ids(first["cold"])
 
     # vLLM's own GPU events name every full block of the prompts with its tokens.
-    gpu = _per_block(_stored(events_1, "GPU"))
+    gpu = described_blocks(_stored(events_1, "GPU"))
     block = next(e.block_size for e in _stored(events_1, "GPU"))
     assert len(gpu) == len({tuple(p[: (i + 1) * block]) for p in PROMPTS for i in range(len(p) // block)})
     for medium in ("CPU", "STORAGE"):
         described = [e for e in _stored(events_1, medium) if e.token_ids]
-        assert _per_block(described) == gpu, medium
+        assert described_blocks(described) == gpu, medium
     # The restarted engine promotes the prompts from disk and describes them as well.
     promoted = [e for e in _stored(events_2, "CPU") if e.token_ids]
-    assert _per_block(promoted) == gpu
+    assert described_blocks(promoted) == gpu

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kv_event_payloads import described_blocks
 from strata_harness import G, Runner, write_model_dir
 
 pytestmark = pytest.mark.integration
@@ -773,27 +774,7 @@ def test_kv_cache_events_name_the_blocks_vllm_names(runners, tmp_path: Path) -> 
 
 def _gpu_blocks(r: Runner, group: int | None = None) -> dict[Any, Any]:
     """vLLM's own GPU ``BlockStored`` payloads, by block hash: (parent, token ids, block size)."""
-    out = {}
-    for e in _events(r, "BlockStored", "GPU"):
-        if group is not None and e.group_idx != group:
-            continue
-        size = e.block_size
-        for i, h in enumerate(e.block_hashes):
-            parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
-            out[h] = (parent, list(e.token_ids[i * size:(i + 1) * size]), size)
-    return out
-
-
-def _chunk_payloads(events: list[Any]) -> dict[Any, Any]:
-    """Self-describing chunk events as vLLM's GPU payloads per block (same shape as _gpu_blocks)."""
-    out = {}
-    for e in events:
-        size = e.block_size
-        assert size > 0 and len(e.token_ids) == size * len(e.block_hashes), e
-        for i, h in enumerate(e.block_hashes):
-            parent = e.parent_block_hash if i == 0 else e.block_hashes[i - 1]
-            out[h] = (parent, list(e.token_ids[i * size:(i + 1) * size]), size)
-    return out
+    return described_blocks(_events(r, "BlockStored", "GPU"), group)
 
 
 def test_self_describing_kv_events_carry_each_chunks_blocks_and_tokens(runners, tmp_path: Path) -> None:
@@ -812,8 +793,8 @@ def test_self_describing_kv_events_carry_each_chunks_blocks_and_tokens(runners, 
     assert len(gpu) == 6
     cpu_events = _events(r, "BlockStored", "CPU")
     assert len(cpu_events) == 3 and all(len(e.block_hashes) == 2 for e in cpu_events)
-    assert _chunk_payloads(cpu_events) == gpu
-    assert _chunk_payloads(_events(r, "BlockStored", "STORAGE")) == gpu
+    assert described_blocks(cpu_events) == gpu
+    assert described_blocks(_events(r, "BlockStored", "STORAGE")) == gpu
     assert {e.kv_cache_spec_kind for e in cpu_events} == {"full_attention"}
     r.connector.reset_cache()  # the host tier empties
     _one_more_step(r)
@@ -824,7 +805,7 @@ def test_self_describing_kv_events_carry_each_chunks_blocks_and_tokens(runners, 
 
     again = runners([G("full", 16)], store=store, kv_events=True, extra=extra)
     assert again.serve(prompt, 1) == 96
-    assert _chunk_payloads(_events(again, "BlockStored", "CPU")) == gpu  # promoted, described
+    assert described_blocks(_events(again, "BlockStored", "CPU")) == gpu  # promoted, described
 
 
 def test_self_describing_kv_events_keep_the_placeholder_for_windowed_groups(runners) -> None:
@@ -858,7 +839,7 @@ def test_self_describing_kv_events_with_hashes_finer_than_blocks(runners) -> Non
     # vLLM's GPU events also name the cached 4-token pieces past the last whole block.
     gpu_full = {h: p for h, p in _gpu_blocks(r, group=0).items() if p[2] == 16}
     assert len(gpu_full) == 1  # one whole 16-token block of the 30-token prompt
-    assert _chunk_payloads(described) == gpu_full
+    assert described_blocks(described) == gpu_full
     assert all(e.group_idx == 0 for e in described)
     placeholders = [e for e in cpu if not e.token_ids]
     assert {e.group_idx for e in placeholders} == {0, 1}  # partial tails of both, Mamba states
