@@ -235,8 +235,8 @@ class StrataScheduler:
         assert self.events is not None
         for key, answer in zip(keys, answers, strict=True):
             if answer is Presence.HIT or answer is Presence.PENDING:
-                group = chunk_group(key)
-                index = st.groups[group].chunk_of.get(key) if group in st.groups else None
+                group = chunk_group(key)  # probed keys are always of the layout's groups
+                index = st.groups[group].chunk_of.get(key)
                 if index is not None:
                     self.events.record_lookup(st.req, group, index, key)
 

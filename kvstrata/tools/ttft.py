@@ -22,10 +22,11 @@ Two details keep the comparison fair and the outputs comparable bit for bit:
   computes that tail as its own last chunk: every run then performs the same computations on the
   same bytes. The tail depends on the cache: vLLM's tiers serve whole blocks and recompute the
   partial last block; kvstrata also serves that partial block on attention-only models (stored
-  in the step that completes the prompt) and computes one token whatever the prompt's length. Measured at 8176 tokens (block 128) on an
-  AVX2-only machine: a cold prefill ending with the 112-token chunk vLLM recomputes and
-  kvstrata's one-token tail agreed on 4 of 16 greedy tokens; with the cold run ending with a
-  one-token chunk, cold, host-tier and disk-tier outputs were identical.
+  in the step that completes the prompt) and computes one token whatever the prompt's length.
+  Measured at 8176 tokens (block 128) on an AVX2-only machine: a cold prefill ending with the
+  112-token chunk vLLM recomputes and kvstrata's one-token tail agreed on 4 of 16 greedy tokens;
+  with the cold run ending with a one-token chunk, cold, host-tier and disk-tier outputs were
+  identical.
 
 The engine options are a parameter so that other backends (e.g. vLLM's own fs tier) can run through
 the same phases and be compared like for like.
