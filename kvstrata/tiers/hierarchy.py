@@ -354,18 +354,20 @@ class Hierarchy:
             self._closed = True
             self._promoted.notify_all()
         drained = True
-        if self._loop.is_running():
-            done = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
-            try:
-                done.result(timeout)
-            except TimeoutError:
-                drained = False
-                logger.warning(
-                    "kvstrata: closing with %d disk write(s) unfinished after %.1fs",
-                    len(self._queued),
-                    timeout,
-                )
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        # Queued whether or not the loop runs yet: the I/O thread may not have reached
+        # run_forever() (a close right after construction on a busy machine), and a stop that
+        # was skipped then would leave the loop running forever and join() waiting on it.
+        done = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
+        try:
+            done.result(timeout)
+        except TimeoutError:
+            drained = False
+            logger.warning(
+                "kvstrata: closing with %d disk write(s) unfinished after %.1fs",
+                len(self._queued),
+                timeout,
+            )
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         if drained:
             self._loop.close()

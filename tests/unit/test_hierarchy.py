@@ -436,6 +436,33 @@ def test_close_drains_write_behind(env):
     assert h.prepare_store([key(999)]) is None
 
 
+def test_close_before_the_io_thread_runs_drains_and_returns(env, monkeypatch):
+    # A close right after construction, before the I/O thread reached its event loop (a busy
+    # machine can deschedule it that long), once skipped the drain and the stop and then waited
+    # forever for a loop that would never stop: CI hung here. The thread is held back with an
+    # event so the test is deterministic.
+    loop_may_run = threading.Event()
+    run_loop = Hierarchy._run_loop
+
+    def held_back(self: Hierarchy) -> None:
+        assert loop_may_run.wait(DEADLINE_S)
+        run_loop(self)
+
+    monkeypatch.setattr(Hierarchy, "_run_loop", held_back)
+    disk = env.disk()
+    h = env.hier(disk)
+    keys = [key(1), key(2, group=1)]
+    store(h, keys)  # write-behind queued on a loop that is not running yet
+    closer = threading.Thread(target=h.close, daemon=True)
+    closer.start()
+    closer.join(0.05)
+    assert closer.is_alive()  # waiting for the writes, not returning without them
+    loop_may_run.set()
+    closer.join(DEADLINE_S)
+    assert not closer.is_alive(), "close() never returned"
+    assert all(on_disk(disk, k) for k in keys)
+
+
 def test_close_gives_up_on_a_dead_disk_when_asked(env):
     disk = env.disk()
     gated = GatedDisk(disk)
