@@ -315,6 +315,9 @@ def run_job(job: dict[str, Any], progress: ProgressFn | None = None) -> dict[str
     * ``{"op": "reset_prefix_cache"}`` (vLLM's device prefix cache only; kvstrata keeps its tiers)
     * ``{"op": "drop_page_cache"}``
     * ``{"op": "sleep", "seconds": s}``
+    * ``{"op": "signal", "path": p}`` (creates the file ``p``) and
+      ``{"op": "wait_for", "path": p, "timeout_s": t}`` (until ``p`` exists): hand-offs between
+      engines running at the same time, e.g. two replicas on one store
 
     Returns ``{"import_s", "engine_start_s", "steps": [...], "shutdown_s"}``; each generate step
     reports its completions and the metric deltas it caused.
@@ -364,6 +367,18 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
         return {"op": op, "name": name, "ok": drop_page_cache()}
     if op == "sleep":
         time.sleep(float(step["seconds"]))
+        return {"op": op, "name": name}
+    if op == "signal":
+        Path(step["path"]).touch()
+        return {"op": op, "name": name}
+    if op == "wait_for":
+        path, timeout_s = Path(step["path"]), float(step.get("timeout_s", 300.0))
+        say(f"{name}: waiting for {path}")
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s")
+            time.sleep(0.05)
         return {"op": op, "name": name}
     raise ValueError(f"unknown job step {op!r}")
 
