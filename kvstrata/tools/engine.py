@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 # Engine counters a caller may want per step (deltas): vLLM's own prefix-cache accounting
-# (per tier) and every kvstrata counter/gauge (``vllm:kvstrata_*``).
+# (per tier), its speculative-decoding counts, and every kvstrata counter/gauge
+# (``vllm:kvstrata_*``).
 _VLLM_METRICS = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
@@ -40,6 +41,9 @@ _VLLM_METRICS = (
     "vllm:external_prefix_cache_hits",
     "vllm:prompt_tokens_cached",
     "vllm:prompt_tokens_cached_by_source",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
 )
 _KVSTRATA_PREFIX = "vllm:kvstrata_"
 

@@ -39,6 +39,9 @@ def test_reset_prefix_cache_then_served_from_host_tier(scenario: Scenario) -> No
     assert metric(host, "external_prefix_cache_hits") > 0, dump(host["metrics"])
     # At least the unrelated second prompt's full blocks (it shares nothing with the others).
     assert kvstrata_hits(host) >= len(PROMPTS[1]) // 2, dump(host["metrics"])
+    if scenario.case.eagle:  # the drafter really ran, in the cold run and over served KV
+        assert metric(cold, "spec_decode_num_drafts") > 0, dump(cold["metrics"])
+        assert metric(host, "spec_decode_num_drafts") > 0, dump(host["metrics"])
     unit = scenario.case.prefix_match_unit
     if unit is not None:
         # Partial tails: every prompt is served up to its last hash boundary before its last
@@ -54,6 +57,8 @@ def test_restart_serves_first_request_from_disk(scenario: Scenario) -> None:
     assert metric(disk, "kvstrata_hit_tokens_disk") > 0, dump(disk["metrics"])
     assert metric(disk, "prompt_tokens_cached_by_source{source=disk}") > 0, dump(disk["metrics"])
     assert kvstrata_hits(disk) >= len(PROMPTS[1]) // 2, dump(disk["metrics"])
+    if scenario.case.eagle:
+        assert metric(disk, "spec_decode_num_drafts") > 0, dump(disk["metrics"])
     if scenario.case.prefix_match_unit is not None:
         assert kvstrata_hits(disk) == kvstrata_hits(scenario.first["host"]), dump(disk["metrics"])
     if scenario.case.serves_prompt_tails:  # none of the prompts ends on a block boundary
