@@ -143,6 +143,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             hierarchy, self._owned, self._session_dir = build_hierarchy(
                 self.plan, self.cfg, events=events)
             _lower_switch_interval(self.cfg.python_switch_interval_s)
+            hierarchy.warm_start(self.cfg.warm_start_bytes // self.plan.slot_bytes)
             kv_events = None
             if events:
                 from kvstrata.connector.events import KVEvents

@@ -787,6 +787,7 @@ class StrataScheduler:
             "host_chunks": int(host.get("used", 0)),
             "host_bytes": int(host.get("used", 0)) * self.plan.slot_bytes,
             "promotions": int(h.get("promotions_completed", 0)),
+            "warm_promotions": int(h.get("warm_promotions", 0)),
             "writes_behind": int(h.get("writes_completed", 0)),
         }
         disk = self.hierarchy.disk

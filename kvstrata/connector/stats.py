@@ -35,7 +35,7 @@ COUNTERS = {
 GAUGES = (
     "host_chunks", "host_bytes", "disk_entries", "disk_raw_bytes", "disk_stored_bytes",
     "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt",
-    "promotions", "writes_behind",
+    "promotions", "warm_promotions", "writes_behind",
 )
 _OBS = "lookup_delay_s"
 

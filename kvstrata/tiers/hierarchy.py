@@ -18,6 +18,11 @@ hands disk work to an asyncio event loop on a background thread. That loop owns 
   promotion thus reaches the worker as a failed load (vLLM recomputes the request under
   ``kv_load_failure_policy="recompute"``), never as wrong bytes.
 
+* **warm start** (:meth:`Hierarchy.warm_start`): after a restart, the chunks used most recently
+  (the disk's access ticks) are promoted in the background into free host slots, one batch of
+  ``max_concurrent_reads`` at a time so that a request's own promotion queues behind at most
+  one batch; the first requests after a restart are then served at host-tier speed.
+
 The blocking work (LMDB, zstd, checksums) runs in thread pools via ``run_in_executor``, one whole
 operation per call (storage-facts.md, implication 8); it releases the GIL. Reads and writes have
 separate pools so a backlog of writes never delays a prefetch the next step waits for.
@@ -37,10 +42,11 @@ Slot layout: shard ``r`` of a slot starts at ``r * shard_bytes``; for group ``g`
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -166,6 +172,7 @@ class Hierarchy:
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="kvstrata-write")
         self._loop = asyncio.new_event_loop()
         self._read_sem = asyncio.Semaphore(max_concurrent_reads)
+        self._max_concurrent_reads = max_concurrent_reads
         self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._run_loop, name="kvstrata-io", daemon=True)
         self._thread.start()
@@ -202,6 +209,16 @@ class Hierarchy:
             return self._promoted.wait_for(
                 lambda: self._closed or self._promoting.isdisjoint(keys), timeout
             )
+
+    def warm_start(self, max_chunks: int) -> None:
+        """Promote, in the background, the ``max_chunks`` chunks of this store's first shard
+        used most recently (most recent first) into free host slots; it evicts nothing. Returns
+        at once; close() stops it. Chunks a request asks for meanwhile are promoted as usual."""
+        if self.disk is None or max_chunks <= 0:
+            return
+        with self._lock:
+            if not self._closed:
+                self._loop.call_soon_threadsafe(self._spawn, self._warm(max_chunks))
 
     def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
         """Host slots for the keys not present yet (they become PENDING), or None if the host
@@ -656,6 +673,54 @@ class Hierarchy:
                 self._counts["promotions_failed"] += 1
             self._promoted.notify_all()
 
+    async def _warm(self, max_chunks: int) -> None:
+        loop = self._loop
+        try:
+            keys = await loop.run_in_executor(None, self._recent_chunks, max_chunks)
+        except Exception:
+            logger.exception("kvstrata: warm start could not list the store; skipped")
+            return
+        step = self._max_concurrent_reads
+        for i in range(0, len(keys), step):
+            if self._closed:
+                return
+            started: set[bytes] = set()
+            # Off the loop thread: the lookup reads the disk index.
+            more = await loop.run_in_executor(None, self._warm_batch, keys[i : i + step], started)
+            while started:  # one batch at a time: a request's promotions go between batches
+                with self._lock:
+                    if self._closed or self._promoting.isdisjoint(started):
+                        break
+                await asyncio.sleep(0.002)
+            if not more:
+                return
+
+    def _warm_batch(self, keys: list[bytes], started: set[bytes]) -> bool:
+        """Promote what fits in the free host slots; False once they are all taken. A guess
+        about what will be asked for never evicts what is resident (a request stored it)."""
+        with self._lock:
+            free = self.pool.free_slots
+        if free:
+            self._lookup(keys[:free], count_offers=False, promoting=started)
+        with self._lock:
+            self._counts["warm_promotions"] += len(started)
+        return free > len(keys)
+
+    def _recent_chunks(self, max_chunks: int) -> list[bytes]:
+        """Chunk keys of the first shard's records, most recently used first (index scan)."""
+        assert self.disk is not None
+        ns = self.namespaces[0]
+        n = len(ns)
+
+        def records() -> Iterator[tuple[int, bytes]]:
+            for key, rec in self.disk.iter_index():  # type: ignore[union-attr]
+                if self._closed:  # a large store takes a while: do not hold up close()
+                    return
+                if key[:n] == ns:
+                    yield rec.tick, key[n:]
+
+        return [key for _, key in heapq.nlargest(max_chunks, records())]
+
     async def _drain(self) -> None:
         while True:
             with self._lock:
@@ -717,6 +782,7 @@ _COUNTERS = (
     "promotions_completed",
     "promotions_failed",
     "promote_no_room",
+    "warm_promotions",
     "read_bytes",
     "writes_started",
     "writes_completed",

@@ -124,3 +124,13 @@ def test_self_describing_kv_events_is_an_opt_in_bool() -> None:
     assert StrataConfig.from_extra_config({"self_describing_kv_events": True}).self_describing_kv_events
     with pytest.raises(ConfigError, match="self_describing_kv_events"):
         StrataConfig.from_extra_config({"self_describing_kv_events": "sometimes"})
+
+
+def test_warm_start_bytes_is_a_size_within_the_host_tier() -> None:
+    assert StrataConfig.from_extra_config({}).warm_start_bytes == 0
+    cfg = StrataConfig.from_extra_config({"host_bytes": "1GiB", "warm_start_bytes": "512MiB"})
+    assert cfg.warm_start_bytes == 512 << 20
+    with pytest.raises(ConfigError, match="'warm_start_bytes'.*exceeds 'host_bytes'"):
+        StrataConfig.from_extra_config({"host_bytes": "1GiB", "warm_start_bytes": "2GiB"})
+    with pytest.raises(ConfigError, match="warm_start_bytes"):
+        StrataConfig.from_extra_config({"warm_start_bytes": "lots"})

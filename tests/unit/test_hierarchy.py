@@ -287,6 +287,60 @@ def test_close_wakes_promotion_waiters(env):
     assert time.monotonic() - t0 < DEADLINE_S / 2
 
 
+def _stored_one_by_one(env, keys: list[bytes]) -> DiskStore:
+    """``keys`` written to a store in this order, each with a later access tick."""
+    disk = env.disk()
+    h = env.hier(disk)
+    for k in keys:
+        store(h, [k])
+        eventually(lambda k=k: on_disk(disk, k), "write-behind")
+        time.sleep(0.002)  # ticks are microseconds of the wall clock
+    h.close()
+    return disk
+
+
+def test_warm_start_promotes_the_most_recently_used_chunks(env):
+    keys = [key(i, group=i % 2) for i in range(6)]
+    disk = _stored_one_by_one(env, keys)
+    disk.touch_many([ns + keys[0] for ns in NS])  # served again since: the most recent now
+    h2 = env.hier(disk, max_concurrent_reads=2)
+    warmed = [keys[0], keys[5], keys[4]]
+    h2.warm_start(3)
+    eventually(lambda: h2.stats()["warm_promotions"] == 3 and not h2.in_flight(warmed), "warm")
+    assert h2.lookup_many(warmed) == [HIT] * 3  # no disk read on the request's path
+    assert h2.stats()["promotions_completed"] == 3
+    loaded = h2.prepare_load(warmed)
+    assert all(holds(h2.slab, s, k) for s, k in zip(loaded, warmed, strict=True))
+    h2.complete_load(warmed)
+    assert h2.lookup_many([keys[3]]) == [PENDING]  # not warmed: promoted when asked for
+
+
+def test_warm_start_fills_free_slots_only_and_stops_on_close(env):
+    keys = [key(i) for i in range(6)]
+    disk = _stored_one_by_one(env, keys)
+    h2 = env.hier(disk, slots=2)
+    h2.warm_start(6)  # more than the host tier holds: the two most recent, evicting nothing
+    eventually(lambda: h2.stats()["promotions_completed"] == 2, "warm")
+    assert h2.lookup_many(keys[-2:]) == [HIT, HIT]
+    assert h2.stats()["warm_promotions"] == h2.stats()["promotions_started"] == 2
+    # A warm start stuck on a slow disk: close() ends it after the read in flight, and reads
+    # nothing more.
+    gated = GatedDisk(disk)
+    gated.reads_open.clear()
+    gated.iter_index = disk.iter_index  # type: ignore[attr-defined]
+    h3 = env.hier(gated, slots=16, max_concurrent_reads=1)
+    h3.warm_start(6)
+    eventually(lambda: gated.active_reads == 1, "first warm read")
+    stuck = gated.get_calls[0][len(NS[0]) :]
+    closer = threading.Thread(target=h3.close, daemon=True)
+    closer.start()
+    eventually(lambda: h3.wait_promotions([stuck], 0.0), "close() began")  # True once closed
+    gated.reads_open.set()
+    closer.join(DEADLINE_S)
+    assert not closer.is_alive(), "close() waited for the rest of the warm start"
+    assert sorted(gated.get_calls) == sorted(ns + stuck for ns in NS)  # that chunk only
+
+
 def test_hits_are_protected_from_promotion_eviction(env):
     disk = env.disk()
     h = env.hier(disk, slots=4)
