@@ -57,7 +57,8 @@ class ModelCase:
     # block is stored and served too (semantics.prompt_tail), so a hit covers the whole prompt.
     serves_prompt_tails: bool = False
 
-    def options(self, model_dir: Path, store: Path, **overrides: Any) -> EngineOptions:
+    def options(self, model_dir: Path, store: Path | None, **overrides: Any) -> EngineOptions:
+        """Engine options for this case; ``store`` None runs vLLM without kvstrata."""
         engine = dict(self.engine)
         if self.prefix_match_unit is not None:
             engine["llm_kwargs"] = {"prefix_match_unit": self.prefix_match_unit}
@@ -66,7 +67,7 @@ class ModelCase:
                 "method": "eagle", "model": str(model_dir / "draft"), "num_speculative_tokens": 2}
             model_dir = model_dir / "target"
         return EngineOptions(
-            model=str(model_dir), store=str(store), host_bytes=HOST_BYTES,
+            model=str(model_dir), store=None if store is None else str(store), host_bytes=HOST_BYTES,
             kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, skip_tokenizer_init=True,
             **{**engine, **overrides})
 
