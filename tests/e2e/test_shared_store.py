@@ -84,9 +84,10 @@ def test_two_engines_share_one_store_at_once(tmp_path: Path) -> None:
             assert case.serves_prompt_tails and all(len(p) % chunk_tokens for p in PROMPTS)
 
             def all_on_disk() -> bool:
-                whole = set().union(*(records_of_prompt(store, model, p) for p in PROMPTS))
-                return (all(sum(1 for k in whole if k in records_of_prompt(store, model, p))
-                            == len(p) // chunk_tokens for p in PROMPTS)
+                per_prompt = [records_of_prompt(store, model, p) for p in PROMPTS]
+                whole = set().union(*per_prompt)  # prompts sharing a prefix share its chunks
+                return (all(len(r) == len(p) // chunk_tokens
+                                for r, p in zip(per_prompt, PROMPTS, strict=True))
                         and len(store_keys(store, spaces)) == len(whole) + len(PROMPTS))
 
             _wait(all_on_disk, "A's chunks on disk", engines)
