@@ -684,36 +684,33 @@ class Hierarchy:
         for i in range(0, len(keys), step):
             if self._closed:
                 return
-            started: set[bytes] = set()
-            # Off the loop thread: the lookup reads the disk index.
-            more = await loop.run_in_executor(None, self._warm_batch, keys[i : i + step], started)
-            while started:  # one batch at a time: a request's promotions go between batches
-                with self._lock:
-                    if self._closed or self._promoting.isdisjoint(started):
-                        break
-                await asyncio.sleep(0.002)
-            if not more:
+            # Off the loop thread: the lookup reads the disk index, and the batch is waited for.
+            if not await loop.run_in_executor(None, self._warm_batch, keys[i : i + step]):
                 return
 
-    def _warm_batch(self, keys: list[bytes], started: set[bytes]) -> bool:
-        """Promote what fits in the free host slots; False once they are all taken. A guess
-        about what will be asked for never evicts what is resident (a request stored it)."""
+    def _warm_batch(self, keys: list[bytes]) -> bool:
+        """Promote what fits in the free host slots and wait until it landed (one batch at a
+        time: a request's promotions go between batches); False once the free slots are all
+        taken. A guess about what will be asked for never evicts what a request stored."""
         with self._lock:
             free = self.pool.free_slots
+        started: set[bytes] = set()
         if free:
             self._lookup(keys[:free], count_offers=False, promoting=started)
         with self._lock:
             self._counts["warm_promotions"] += len(started)
+        self.wait_promotions(started, None)  # returns at once when close() began
         return free > len(keys)
 
     def _recent_chunks(self, max_chunks: int) -> list[bytes]:
         """Chunk keys of the first shard's records, most recently used first (index scan)."""
-        assert self.disk is not None
+        disk = self.disk
+        assert disk is not None
         ns = self.namespaces[0]
         n = len(ns)
 
         def records() -> Iterator[tuple[int, bytes]]:
-            for key, rec in self.disk.iter_index():  # type: ignore[union-attr]
+            for key, rec in disk.iter_index():
                 if self._closed:  # a large store takes a while: do not hold up close()
                     return
                 if key[:n] == ns:

@@ -117,10 +117,10 @@ def run_phase(opts: EngineOptions, steps: list[dict[str, Any]], log: Path) -> di
     """Run ``steps`` in a new engine process; the steps by name."""
     result = run_job_subprocess({"engine": asdict(opts), "steps": steps},
                                 timeout_s=JOB_TIMEOUT_S, log_path=log)
-    return _by_name(result)
+    return steps_by_name(result)
 
 
-def _by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def steps_by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["name"]: s for s in result["steps"]}
 
 
@@ -202,7 +202,7 @@ class Scenario:
             [{"engine": asdict(self.opts), "steps": [generate_step("after_corruption")]},
              {"engine": asdict(other), "steps": [generate_step("foreign")]}],
             timeout_s=JOB_TIMEOUT_S, log_path=self._log("corrupted-then-foreign"))
-        return key, _by_name(corrupted), _by_name(foreign)
+        return key, steps_by_name(corrupted), steps_by_name(foreign)
 
     @property
     def corrupted(self) -> tuple[bytes, dict[str, dict[str, Any]]]:

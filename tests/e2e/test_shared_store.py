@@ -19,6 +19,7 @@ from e2e_harness import (
     metric,
     namespaces_of,
     records_of_prompt,
+    steps_by_name,
     store_keys,
     token_ids,
 )
@@ -27,10 +28,6 @@ from kvstrata.tiers.disk import DiskStore
 from kvstrata.tools.engine import run_job_subprocess
 from kvstrata.tools.inspect import inspect_store
 from kvstrata.tools.verify import find_problems
-
-
-def _steps_by_name(result: dict) -> dict[str, dict]:
-    return {s["name"]: s for s in result["steps"]}
 
 
 def _wait(cond, what: str, engines: list[Future], timeout_s: float = JOB_TIMEOUT_S) -> None:
@@ -92,12 +89,12 @@ def test_two_engines_share_one_store_at_once(tmp_path: Path) -> None:
 
             _wait(all_on_disk, "A's chunks on disk", engines)
             b_may_start.touch()
-            b = _steps_by_name(engines[1].result())
+            b = steps_by_name(engines[1].result())
             # B has closed the store, A still has it open: B must not have marked it clean.
             clean_while_a_runs = inspect_store(store, None)["clean_shutdown"]
         finally:
             b_done.touch()  # lets A go on (also when B failed: A must not wait for nothing)
-        a = _steps_by_name(engines[0].result())
+        a = steps_by_name(engines[0].result())
 
     cold, from_a, host_after_b = a["cold"], b["from_a"], a["host_after_b"]
     prompt_tokens = sum(map(len, PROMPTS))
