@@ -144,6 +144,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
                 self.plan, self.cfg, events=events)
             _lower_switch_interval(self.cfg.python_switch_interval_s)
             hierarchy.warm_start(self.cfg.warm_start_bytes // self.plan.slot_bytes)
+            hierarchy.announce_disk()  # KV events only: what a restarted engine holds on disk
             kv_events = None
             if events:
                 from kvstrata.connector.events import KVEvents

@@ -16,6 +16,9 @@ Two payloads, as vLLM's OffloadingConnector sends them:
   request taken when the chunk is planned for a store or found by a lookup; a chunk never seen
   with its request in this process (stored before a restart and not asked for since) keeps the
   placeholder. Snapshots live while the chunk is in a tier: about the chunk's token ids each.
+
+At start the scheduler side announces every chunk already on disk (``Hierarchy.announce_disk``):
+after a restart the router learns what this engine can serve from its disk.
 """
 
 from __future__ import annotations

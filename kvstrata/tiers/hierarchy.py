@@ -32,7 +32,8 @@ routers learn from them which server holds a prefix): ``take_events()`` returns
 ``(tier, removed, chunk keys)`` batches, tier "host" or "disk", in the order they happened. Host:
 a store completed, a promotion landed (stored); an idle chunk evicted or reset (removed). Disk:
 a write-behind completed (stored); a record evicted, expired, dropped as corrupt or deleted
-(removed; a chunk whose shard of any rank went is gone).
+(removed; a chunk whose shard of any rank went is gone). :meth:`Hierarchy.announce_disk` adds,
+once, every chunk already on disk (stored), so a restarted engine reports what it can serve.
 
 Slot layout: shard ``r`` of a slot starts at ``r * shard_bytes``; for group ``g`` only its first
 ``group_shard_bytes[g]`` bytes are meaningful and only those go to disk, as record
@@ -219,6 +220,17 @@ class Hierarchy:
         with self._lock:
             if not self._closed:
                 self._loop.call_soon_threadsafe(self._spawn, self._warm(max_chunks))
+
+    def announce_disk(self) -> None:
+        """Report, in the background, every chunk the disk holds for this model (all shards) as
+        a disk-tier change in :meth:`take_events`: after a restart a KV-aware router learns what
+        this engine can serve from its disk before anything is asked for. Nothing happens
+        without events or a disk tier; close() stops it."""
+        if self.disk is None or self._events is None:
+            return
+        with self._lock:
+            if not self._closed:
+                self._loop.call_soon_threadsafe(self._spawn, self._announce())
 
     def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
         """Host slots for the keys not present yet (they become PENDING), or None if the host
@@ -702,6 +714,58 @@ class Hierarchy:
         self.wait_promotions(started, None)  # returns at once when close() began
         return free > len(keys)
 
+    async def _announce(self) -> None:
+        try:
+            await self._loop.run_in_executor(None, self._announce_stored)
+        except Exception:
+            logger.exception("kvstrata: could not list the store for KV events; skipped")
+
+    def _announce_stored(self) -> None:
+        events = self._events
+        assert events is not None
+        for batch in self._stored_chunks():
+            if self._closed:
+                return
+            events.append((TIER_DISK, False, batch))
+            # The store's writer may have dropped one of them after the batch was read, its
+            # removal then preceding this announcement: report those removed again, after it.
+            present = self._all_shards_on_disk(batch)
+            gone = [key for key, here in zip(batch, present, strict=True) if not here]
+            if gone:
+                events.append((TIER_DISK, True, gone))
+
+    def _stored_chunks(self) -> Iterator[list[bytes]]:
+        """Chunk keys with every shard on disk, in batches of at most ``_ANNOUNCE_BATCH``."""
+        disk = self.disk
+        assert disk is not None
+        ns = self.namespaces[0]
+        n = len(ns)
+        batch: list[bytes] = []
+        for key, _rec in disk.iter_index():
+            if self._closed:
+                return
+            if key[:n] == ns:
+                batch.append(key[n:])
+                if len(batch) == _ANNOUNCE_BATCH:
+                    yield self._with_all_shards(batch)
+                    batch = []
+        if batch:
+            yield self._with_all_shards(batch)
+
+    def _with_all_shards(self, keys: list[bytes]) -> list[bytes]:
+        if len(self.namespaces) == 1:
+            return keys
+        return [k for k, here in zip(keys, self._all_shards_on_disk(keys), strict=True) if here]
+
+    def _all_shards_on_disk(self, keys: list[bytes]) -> list[bool]:
+        disk = self.disk
+        assert disk is not None
+        present = [True] * len(keys)
+        for ns in self.namespaces:
+            found = disk.contains_many([ns + k for k in keys])
+            present = [a and b for a, b in zip(present, found, strict=True)]
+        return present
+
     def _recent_chunks(self, max_chunks: int) -> list[bytes]:
         """Chunk keys of the first shard's records, most recently used first (index scan)."""
         disk = self.disk
@@ -763,6 +827,8 @@ class Hierarchy:
             return False
         return True
 
+
+_ANNOUNCE_BATCH = 1024  # chunk keys per announced disk-tier change (one KV event per group)
 
 _COUNTERS = (
     "lookups",

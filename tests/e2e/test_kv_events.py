@@ -1,5 +1,6 @@
 """KV cache events from a real multiprocess engine, received over vLLM's ZMQ publisher as a
-KV-aware router receives them: kvstrata's tiers with self-describing payloads, across a restart."""
+KV-aware router receives them: kvstrata's tiers with self-describing payloads, across a restart
+(the restarted engine announces what its disk holds)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ def _stored(events: list[Any], medium: str) -> list[Any]:
     return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == medium]
 
 
+def _chunk_hashes(stored: list[Any]) -> set[Any]:
+    """The chunk keys' hashes in ``BlockStored`` events: a placeholder names each chunk by its
+    key's hash; a described event is one chunk, whose key hash is its last block's."""
+    out: set[Any] = set()
+    for e in stored:
+        out.update([e.block_hashes[-1]] if e.token_ids else e.block_hashes)
+    return out
+
+
 @pytest.mark.slow
 def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> None:
     case = CASES["llama"]
@@ -89,3 +99,12 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
     # The restarted engine promotes the prompts from disk and describes them as well.
     promoted = [e for e in _stored(events_2, "CPU") if e.token_ids]
     assert described_blocks(promoted) == gpu
+    # Before that, it announced every chunk its disk holds, so a router knows what it can serve
+    # from the moment it starts. Events are translated when a step publishes them: a chunk the
+    # first requests looked up by then is described, the others keep the placeholder.
+    first_promotion = events_2.index(_stored(events_2, "CPU")[0])
+    announced = _stored(events_2[:first_promotion], "STORAGE")
+    stored_1 = _stored(events_1, "STORAGE")
+    assert stored_1 and _chunk_hashes(announced) == _chunk_hashes(stored_1)
+    described = described_blocks([e for e in announced if e.token_ids])
+    assert all(gpu[h] == payload for h, payload in described.items())

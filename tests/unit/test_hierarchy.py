@@ -793,6 +793,76 @@ def test_no_events_are_kept_unless_asked_for(env):
     assert h.take_events() == []
 
 
+def _announced(h: Hierarchy, until: Callable[[list], bool]) -> list:
+    got: list = []
+
+    def done() -> bool:
+        got.extend(h.take_events())
+        return until(got)
+
+    eventually(done, "the disk announcement")
+    return got
+
+
+def test_a_restarted_engine_announces_every_chunk_its_disk_holds(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    k1, k2, k3 = key(1), key(2), key(3, group=1)
+    store(h, [k1, k2, k3])
+    eventually(lambda: h.stats()["writes_completed"] == 3, "write-behind")
+    h.close()
+    disk.delete_many([NS[1] + k2])  # one rank's shard gone: k2 cannot be served
+    other = b"other-model-ns!!"  # another model's record in the same store
+    disk.put_many([(other + key(4), np.zeros(64, np.uint8), "uint8")])
+    eventually(lambda: disk.contains_many([other + key(4)]) == [True], "the foreign record")
+
+    h2 = env.hier(disk, events=True)
+    assert h2.take_events() == []  # nothing until asked
+    h2.announce_disk()
+    assert _announced(h2, lambda got: bool(got)) == [("disk", False, [k1, k3])]
+    assert h2.lookup_many([k1]) == [PENDING]  # and the chunks announced are served
+    eventually(lambda: h2.lookup_many([k1]) == [HIT], "promotion")
+    assert h2.take_events() == [("host", False, [k1])]
+
+    quiet = env.hier(disk)  # without KV events there is nothing to announce to
+    quiet.announce_disk()
+    assert quiet.take_events() == []
+
+
+class _DropsAfterChecks(DiskStore):
+    """A store whose writer drops a record right after the announcement checked its shards."""
+
+    victim = b""
+    checks_before_drop = 0
+
+    def contains_many(self, keys):
+        found = super().contains_many(keys)
+        if self.victim:
+            self.checks_before_drop -= 1
+            if self.checks_before_drop == 0:
+                self.delete_many([ns + self.victim for ns in NS])
+        return found
+
+
+def test_a_chunk_dropped_during_the_announcement_is_reported_removed_after_it(env, tmp_path):
+    disk = _DropsAfterChecks(tmp_path / "racy", budget_bytes=1 << 30)
+    try:
+        h = env.hier(disk)
+        k1, k2 = key(1), key(2)
+        store(h, [k1, k2])
+        eventually(lambda: h.stats()["writes_completed"] == 2, "write-behind")
+        h.close()
+        disk.victim, disk.checks_before_drop = k1, len(NS)  # once every shard was checked
+        h2 = env.hier(disk, events=True)
+        h2.announce_disk()
+        events = _announced(h2, lambda got: ("disk", False, [k1, k2]) in got and got[-1][1])
+        # Its removal happened before the announcement; the last word on k1 must be "removed".
+        assert events == [("disk", True, [k1]), ("disk", False, [k1, k2]), ("disk", True, [k1])]
+    finally:
+        h2.close()
+        disk.close()
+
+
 def test_chunks_served_from_the_host_tier_stay_on_disk_longest(env, tmp_path):
     """The disk's LRU counts host-tier hits: the chunk served from host again and again keeps its
     records when the budget evicts, the one nobody asked for goes (written later, but idle)."""
