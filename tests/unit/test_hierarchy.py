@@ -846,6 +846,7 @@ class _DropsAfterChecks(DiskStore):
 
 def test_a_chunk_dropped_during_the_announcement_is_reported_removed_after_it(env, tmp_path):
     disk = _DropsAfterChecks(tmp_path / "racy", budget_bytes=1 << 30)
+    h2 = None
     try:
         h = env.hier(disk)
         k1, k2 = key(1), key(2)
@@ -859,7 +860,8 @@ def test_a_chunk_dropped_during_the_announcement_is_reported_removed_after_it(en
         # Its removal happened before the announcement; the last word on k1 must be "removed".
         assert events == [("disk", True, [k1]), ("disk", False, [k1, k2]), ("disk", True, [k1])]
     finally:
-        h2.close()
+        if h2 is not None:
+            h2.close()
         disk.close()
 
 
