@@ -55,7 +55,7 @@ from kvstrata.presence import Presence
 from kvstrata.tiers.host import HostPool, board_fence
 
 if TYPE_CHECKING:
-    from kvstrata.tiers.disk import DiskStore
+    from kvstrata.tiers.disk import DiskStore, IndexRecord
 
 logger = logging.getLogger(__name__)
 
@@ -736,20 +736,13 @@ class Hierarchy:
 
     def _stored_chunks(self) -> Iterator[list[bytes]]:
         """Chunk keys with every shard on disk, in batches of at most ``_ANNOUNCE_BATCH``."""
-        disk = self.disk
-        assert disk is not None
-        ns = self.namespaces[0]
-        n = len(ns)
         batch: list[bytes] = []
-        for key, _rec in disk.iter_index():
-            if self._closed:
-                return
-            if key[:n] == ns:
-                batch.append(key[n:])
-                if len(batch) == _ANNOUNCE_BATCH:
-                    yield self._with_all_shards(batch)
-                    batch = []
-        if batch:
+        for key, _rec in self._own_records():
+            batch.append(key)
+            if len(batch) == _ANNOUNCE_BATCH:
+                yield self._with_all_shards(batch)
+                batch = []
+        if batch and not self._closed:
             yield self._with_all_shards(batch)
 
     def _with_all_shards(self, keys: list[bytes]) -> list[bytes]:
@@ -768,19 +761,21 @@ class Hierarchy:
 
     def _recent_chunks(self, max_chunks: int) -> list[bytes]:
         """Chunk keys of the first shard's records, most recently used first (index scan)."""
+        records = ((rec.tick, key) for key, rec in self._own_records())
+        return [key for _, key in heapq.nlargest(max_chunks, records)]
+
+    def _own_records(self) -> Iterator[tuple[bytes, IndexRecord]]:
+        """(chunk key, index record) of every first-shard record of this model, in index order;
+        stops when close() begins (a large store takes a while: do not hold up close())."""
         disk = self.disk
         assert disk is not None
         ns = self.namespaces[0]
         n = len(ns)
-
-        def records() -> Iterator[tuple[int, bytes]]:
-            for key, rec in disk.iter_index():
-                if self._closed:  # a large store takes a while: do not hold up close()
-                    return
-                if key[:n] == ns:
-                    yield rec.tick, key[n:]
-
-        return [key for _, key in heapq.nlargest(max_chunks, records())]
+        for key, rec in disk.iter_index():
+            if self._closed:
+                return
+            if key[:n] == ns:
+                yield key[n:], rec
 
     async def _drain(self) -> None:
         while True:
