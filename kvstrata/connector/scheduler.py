@@ -81,6 +81,7 @@ class _Job:
     deferred_fence: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
     hit: tuple[int, int] = (0, 0)  # loads: (tokens, of which promoted from disk), counted on success
+    failed: bool = False  # some worker reported it failed (the others may report later)
 
 
 # Longest an empty engine step waits for promotions from disk (see StrataScheduler._idle_wait).
@@ -172,14 +173,22 @@ class StrataScheduler:
             self.stats.lookup_deferrals += 1
             return None, False
         pending: list[bytes] = []
+        # Chunks this lookup answered HIT so far: a later probe of the same lookup (another
+        # group, a tail) must not evict them to make room for a promotion.
+        answered: set[bytes] = set()
 
-        def probe(keys: Iterable[bytes]) -> list[Presence]:
+        def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
             keys = list(keys)
-            answers = list(self.hierarchy.lookup_many(keys, st.promoted, stream=self.stream_loads))
+            answers = list(self.hierarchy.lookup_many(
+                keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered))
+            answered.update(k for k, a in zip(keys, answers, strict=True) if a is Presence.HIT)
             pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
             if self.events is not None and self.events.self_describing:
                 self._record_lookup_hits(st, keys, answers)
             return answers
+
+        def probe_prefix(keys: Iterable[bytes]) -> list[Presence]:
+            return probe(keys, prefix=True)
 
         hit = semantics.lookup_hit(
             self.layout,
@@ -190,6 +199,7 @@ class StrataScheduler:
             max_new_tokens=max_num_new_tokens,
             max_load_tokens=st.max_load_tokens,
             being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
+            probe_prefix=probe_prefix,
         )
         hit, st.partial_boundary = semantics.partial_tail_hit(
             self.layout,
@@ -202,6 +212,7 @@ class StrataScheduler:
             max_load_tokens=st.max_load_tokens,
             keys={g: gs.keys for g, gs in st.groups.items()},
             being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
+            probe_prefix=probe_prefix,
         )
         complete = hit
         hit = semantics.prompt_tail_hit(
@@ -324,9 +335,13 @@ class StrataScheduler:
             for g in (self._geom(t.group),)
         ]
         disk_tokens = self._attribute_hit(st, num_external)
-        # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32).
+        # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32). A hit
+        # ending in a tail (the prompt's, or a partial one) loaded that chunk under its tail key:
+        # its full key is still to be stored once decoding completes it.
         for geom in self.layout.groups:
-            st.groups[geom.index].next_stored_chunk = -(-cached // geom.tokens_per_chunk)
+            tpc = geom.tokens_per_chunk
+            covered = cached // tpc if tail_keys is not None else -(-cached // tpc)
+            st.groups[geom.index].next_stored_chunk = covered
         job_id = self._new_job(st, is_store=False, keys=keys)
         self._jobs[job_id].hit = (num_external, disk_tokens)
         self._loads.append(TransferJob(job_id, request.request_id, False, copies))
@@ -671,10 +686,11 @@ class StrataScheduler:
                 continue
             job = self._jobs[job_id]
             job.pending -= n
+            # A rank that failed in an earlier step than the others finished: the job failed.
+            job.failed |= job_id in meta.failed
             if job.pending > 0:
                 continue
-            ok = job_id not in meta.failed
-            self._finish_job(job_id, job, ok)
+            self._finish_job(job_id, job, not job.failed)
 
     def _finish_stale(self, job_id: int, n: int) -> None:
         """A job from before a cache reset finished on ``n`` more workers: once all are done,
@@ -710,6 +726,12 @@ class StrataScheduler:
                 self.stats.hit_tokens_host += tokens - disk
             else:
                 self.stats.load_failures += 1
+                if st is not None:
+                    # vLLM recomputes what the load was to bring, after a new lookup whose hit
+                    # (possibly none) sets the scan again: until then, store from the start
+                    # (chunks already stored are skipped by prepare_store).
+                    for gs in st.groups.values():
+                        gs.next_stored_chunk = 0
         for bid in chain(job.fenced, job.deferred_fence):
             jobs = self._block_jobs.get(bid)
             if jobs is not None:

@@ -181,7 +181,13 @@ class Hierarchy:
     # ---- scheduler API -----------------------------------------------------------------------
 
     def lookup_many(
-        self, keys: Sequence[bytes], promoting: set[bytes] | None = None, *, stream: bool = False
+        self,
+        keys: Sequence[bytes],
+        promoting: set[bytes] | None = None,
+        *,
+        stream: bool = False,
+        prefix: bool = False,
+        protect: set[bytes] | None = None,
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
@@ -189,8 +195,17 @@ class Hierarchy:
         collects the keys whose answer is a promotion from disk (for per-tier hit figures).
         ``stream``: a promotion in flight answers HIT instead; load such keys with
         :meth:`prepare_streamed_load`.
+
+        ``prefix``: the keys are a prefix run (only those before the first MISS can be used), so
+        no promotion starts past the first key that is neither in the host tier nor on disk: it
+        would take a slot (evicting a useful chunk) for nothing, and the request would wait for
+        it. ``protect``: keys an earlier probe of the same request's lookup answered HIT; a
+        promotion never evicts them (the request is about to load them).
         """
-        return self._lookup(keys, count_offers=True, promoting=promoting, stream=stream)
+        return self._lookup(
+            keys, count_offers=True, promoting=promoting, stream=stream, prefix=prefix,
+            protect=protect,
+        )
 
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
         """Start disk -> host promotions for disk-only chunks (a lookup without bookkeeping)."""
@@ -418,6 +433,8 @@ class Hierarchy:
         count_offers: bool,
         promoting: set[bytes] | None = None,
         stream: bool = False,
+        prefix: bool = False,
+        protect: set[bytes] | None = None,
     ) -> list[Presence]:
         # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
         with self._lock:
@@ -484,6 +501,14 @@ class Hierarchy:
             logger.exception("kvstrata: disk lookup failed; treating as misses")
             found = [False] * len(candidates)
         on_disk = [i for i, f in zip(candidates, found, strict=True) if f]
+        if prefix:
+            # Nothing past the first key the host tier lacks and the disk does not hold.
+            absent = {i for i, f in zip(candidates, found, strict=True) if not f}
+            first_miss = next(
+                (i for i, s in enumerate(host) if s == _ABSENT and (i in absent or keys[i] in self._bad)),
+                len(keys),
+            )
+            on_disk = [i for i in on_disk if i < first_miss]
         promote: list[tuple[bytes, int, int]] = []
         with self._lock:
             protected: set[bytes] | None = None
@@ -505,6 +530,8 @@ class Hierarchy:
                     continue
                 if protected is None:
                     protected = {k for k, s in zip(keys, states, strict=True) if s == _HIT}
+                    if protect:
+                        protected |= protect
                 slots = self.pool.allocate((key,), protected)
                 if slots is None:
                     # The host tier is full of pinned chunks: answer MISS rather than PENDING

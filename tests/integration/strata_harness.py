@@ -395,6 +395,8 @@ class Runner:
             start, end = req.num_computed_tokens - n, req.num_computed_tokens
             ids = [list(g) for g in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
             self._write(req, ids, start, end)
+            if req.num_tokens >= end:
+                self._check_attended(req, ids, start, end)
             if req.num_tokens < end:
                 # Async scheduling: a token this step computes was sampled by a step whose output
                 # the scheduler has not seen, so the values (functions of the token ids) are not
@@ -458,6 +460,44 @@ class Runner:
             for rank, layer, page in self._group_pages(g, ids[b]):
                 page.fill_(0 if h is None else page_value(h, g, layer, rank))
 
+    def _check_attended(self, req: Request, ids: list[list[int]], start: int, end: int) -> None:
+        """What the forward of positions ``start..end-1`` reads must be there: in every attention
+        group, each position a computed token attends (all before it; a sliding window's last W)
+        lies in an allocated block and holds the value written for it (its hash block's, or its
+        own in an incomplete hash block). A null block or a wrong value means the first token
+        would be computed from the wrong KV, which byte counts alone cannot see."""
+        tph = self.hash_block
+        for g, spec in enumerate(self.kv_config.kv_cache_groups):
+            if self._is_state(g):
+                continue
+            bs = spec.kv_cache_spec.block_size
+            window = self.groups[g].window if self.groups[g].kind == "sw" else 0
+            lo = max(0, start - window + 1) if window else 0
+            complete_end = end - end % tph
+            # One position per hash block (their values are uniform), every position past the
+            # last complete one.
+            positions = sorted({max(lo, q - q % tph) for q in range(lo, complete_end)}
+                               | set(range(max(lo, complete_end), end)))
+            for q in positions:
+                b = q // bs
+                if b >= len(ids[g]) or ids[g][b] == 0:
+                    self.load_errors.append(
+                        f"{req.request_id} g{g}: tokens {start}..{end - 1} attend position {q}, "
+                        f"in {'a null block' if b < len(ids[g]) else 'no block'} (block {b})")
+                    break
+                h = (self._block_hash_at(req, (q // tph + 1) * tph) if q < complete_end
+                     else self._position_hash(req, q))
+                if h is None:
+                    continue
+                for rank, layer, page in self._group_pages(g, ids[g][b]):
+                    want = page_value(h, g, layer, rank)
+                    got = int(page[:, q % bs].flatten()[0].item())
+                    if got != want:
+                        self.load_errors.append(
+                            f"{req.request_id} rank {rank} g{g} layer {layer}: tokens {start}.."
+                            f"{end - 1} attend position {q} (block {b}): {got} != {want}")
+                        return
+
     def _check_loaded_pages(self, req: Request) -> None:
         """Every loaded position must hold what the forward wrote for it: each hash block below
         the loaded boundary (attention), the state at the boundary (Mamba)."""
@@ -482,9 +522,12 @@ class Runner:
                         for p in range(b * bs, min((b + 1) * bs, cached), tph)
                         if p + tph <= cached
                     ]
-                    # A loaded prompt tail: each position of its incomplete hash block.
+                    # The hash block the hit ends in: a complete chunk loaded up to a cap inside
+                    # it holds its hash block's value; a loaded prompt tail (an incomplete hash
+                    # block) each position's own.
+                    tail_hash = self._block_hash_at(req, cached - cached % tph + tph)
                     checks += [
-                        (f"pos {p}", self._position_hash(req, p), p - b * bs)
+                        (f"pos {p}", tail_hash or self._position_hash(req, p), p - b * bs)
                         for p in range(max(b * bs, cached - cached % tph), min((b + 1) * bs, cached))
                     ]
                 for what, h, pos in checks:

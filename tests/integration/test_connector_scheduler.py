@@ -57,7 +57,8 @@ def _store_then_serve(r: Runner, prompt: list[int], max_tokens: int = 1, again: 
 #  - FA only, 100 tokens: 6 complete chunks and the prompt's tail (4 tokens) -> 100 (FA-only hits
 #    may reach the whole prompt; vLLM recomputes its last token).
 #  - FA + SW(32): 6 complete chunks (the SW window, 2 chunks, ends at 96) and the prompt's tail
-#    in both groups -> 100 (vLLM alone caps windowed layouts at 99 -> 96).
+#    in both groups, one token short as every windowed hit (R21) -> 99 (vLLM alone rounds the
+#    99-token cap down to its last complete chunk: 96).
 #  - FA + Mamba align: cap 99, rounded down to the Mamba chunk (16) -> 96; state@96 handed off.
 #  - annotated eagle FA group: widening cannot pass the 6th key -> 6 hits, pop one -> 80.
 #  - spec decode on, no group annotated: behaves as without speculation (52735 defect 1) — except
@@ -65,13 +66,13 @@ def _store_then_serve(r: Runner, prompt: list[int], max_tokens: int = 1, again: 
 #    (state@80, not @96), so a Mamba hybrid serves 80.
 SCENARIOS = [
     ("fa", [G("full", 16)], False, 100, 100),
-    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], False, 100, 100),
+    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], False, 100, 99),
     ("fa-mamba", [G("full", 16), G("mamba", 16)], False, 100, 96),
     ("fa+eagle", [G("full", 16), G("full", 16, eagle=True)], True, 100, 80),
     ("fa-sw+eagle-sw", [G("full", 16), G("sw", 16, window=32, eagle=True)], True, 100, 80),
     ("fa-mamba+eagle", [G("full", 16, eagle=True), G("mamba", 16)], True, 100, 80),
     ("fa-spec-unannotated", [G("full", 16)], True, 100, 100),
-    ("fa-sw-spec-unannotated", [G("full", 16), G("sw", 16, window=32)], True, 100, 100),
+    ("fa-sw-spec-unannotated", [G("full", 16), G("sw", 16, window=32)], True, 100, 99),
     ("fa-mamba-spec-unannotated", [G("full", 16), G("mamba", 16)], True, 100, 80),
 ]
 
@@ -94,7 +95,7 @@ def test_served_chunks_come_from_disk_after_restart(runners, tmp_path: Path) -> 
     first.serve(_prompt(100), 1)
     first.close()  # clean shutdown drains write-behind
     second = runners([G("full", 16), G("sw", 16, window=32)], store=store)
-    assert second.serve(_prompt(100), 1) == 100  # the prompt tail too, in both groups
+    assert second.serve(_prompt(100), 1) == 99  # the prompt tail too, in both groups (R21 cap)
     assert second.load_errors == []
     assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] > 0
 
@@ -542,7 +543,7 @@ def test_prompt_tail_served_from_disk_after_restart(runners, tmp_path: Path) -> 
 # ---- tensor parallelism: every slot and every stored chunk holds one shard per rank ---------------
 TP_SCENARIOS = [
     ("fa", [G("full", 16)], 100),
-    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], 100),
+    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], 99),
     ("fa-mamba", [G("full", 16), G("mamba", 16)], 96),
 ]
 
@@ -850,3 +851,161 @@ def test_no_kv_cache_events_unless_the_engine_asks(runners) -> None:
     r.serve(_prompt(96), 1)
     assert r.connector.take_events() == []
     assert not any(e.medium in ("CPU", "STORAGE") for batch in r.published for e in batch.events)
+
+
+# ---- prompt tails never change what the recomputed token attends (issue 22) -----------------------
+# A hit of the whole prompt N makes vLLM allocate for N computed tokens, then rewind to N - 1: its
+# sliding-window manager has by then nulled every block wholly below N - W + 1, so the recomputed
+# token (which attends N - W .. N - 1) would read position N - W from the null block whenever
+# N - W + 1 is a block boundary. The harness checks every attended position at every step.
+WINDOW_TAIL_CASES = [
+    # (block, window, prompt length)
+    (16, 32, 111), (16, 32, 127), (16, 64, 127), (32, 48, 111),
+    (16, 40, 103), (16, 40, 119), (16, 40, 135),
+    (16, 32, 110), (16, 32, 112), (16, 32, 100),
+]
+
+
+@pytest.mark.parametrize(("block", "window", "n"), WINDOW_TAIL_CASES,
+                         ids=[f"b{b}-w{w}-n{n}" for b, w, n in WINDOW_TAIL_CASES])
+def test_window_prompt_tail_keeps_every_attended_block(runners, block: int, window: int, n: int) -> None:
+    r = runners([G("full", block), G("sw", block, window=window)])
+    served = _store_then_serve(r, _prompt(n))
+    assert served == n - 1  # windowed layouts stop one token short of the prompt (R21)
+
+
+@pytest.mark.parametrize("groups", [[G("full", 16)], [G("full", 16), G("sw", 16, window=32)]],
+                         ids=["fa", "fa-sw"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_and_two_token_prompts_repeated_run_and_serve_nothing_useless(runners, groups, n: int) -> None:
+    """A stored 1-token prompt answered with a hit of 1 would rewind to 0 computed tokens and be
+    looked up again forever. A tail that saves no computation is neither stored nor served; a
+    2-token prompt's tail saves its first token (full attention: a hit of the whole prompt,
+    rewound by vLLM; with a window: one token short)."""
+    r = runners(groups)
+    prompt = _prompt(n)
+    assert r.serve(prompt, 2) == 0
+    r.drop_gpu_prefix_cache()
+    served = r.serve(prompt, 2)
+    assert r.load_errors == [], r.load_errors
+    expected = 0 if n == 1 else (n if len(groups) == 1 else n - 1)
+    assert served == expected
+    assert r.connector.scheduler.hierarchy.stats()["host"]["used"] == (0 if n == 1 else len(groups))
+
+
+def _chunk_store_keys(r: Runner, prompt: list[int], rank: int = 0) -> list[bytes]:
+    """Store keys (rank ``rank``'s namespace + chunk key) of ``prompt``'s full-attention chunks."""
+    from strata_harness import EOS
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvstrata.connector import semantics
+
+    sched = r.connector.scheduler
+    params = SamplingParams(max_tokens=1)
+    params.update_from_generation_config({}, EOS)
+    probe = Request(request_id="probe", prompt_token_ids=prompt, sampling_params=params,
+                    pooling_params=None, block_hasher=r._hasher)
+    keys = semantics.chunk_keys(probe.block_hashes, sched.layout.groups[0])
+    return [sched.hierarchy.namespaces[rank] + k for k in keys]
+
+
+def _flip_payload_byte(store: Path, key: bytes) -> None:
+    import lmdb
+
+    with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
+        payload = raw.open_db(b"payload", txn=txn)
+        frame = bytearray(txn.get(key, db=payload))
+        frame[len(frame) // 2] ^= 0xFF
+        txn.put(key, bytes(frame), db=payload)
+
+
+def test_a_store_failed_on_one_rank_is_not_committed_when_another_finishes_later(runners) -> None:
+    """Rank 0 reports a store job failed in one step, rank 1 reports it done a step later: the
+    chunk would hold a garbage shard for rank 0, so it must not be committed (nor served)."""
+    r = runners([G("full", 16)], tp=2)
+    rank0, rank1 = (w.worker.stager for w in r.workers)
+    stores: set[int] = set()
+    real_store, real_poll0, real_poll1 = rank0.store, rank0.poll, rank1.poll
+
+    def store(job_id, copies):
+        stores.add(job_id)
+        return real_store(job_id, copies)
+
+    def poll0():  # every store fails on rank 0
+        return [(job, ok and job not in stores) for job, ok in real_poll0()]
+
+    held: list[tuple[int, bool]] = []
+
+    def poll1():  # rank 1 reports each store one poll late
+        late, held[:] = list(held), []
+        now = []
+        for job, ok in real_poll1():
+            (held if job in stores else now).append((job, ok))
+        return now + late
+
+    rank0.store, rank0.poll, rank1.poll = store, poll0, poll1
+    assert r.serve(_prompt(96), 1) == 0
+    assert stores and not held
+    r.drop_gpu_prefix_cache()
+    assert r.serve(_prompt(96), 1) == 0  # nothing was committed
+    assert r.load_errors == []
+    stats = r.connector.scheduler.hierarchy.stats()
+    assert stats["stores_completed"] == 0 and stats["stores_failed"] == 12  # 6 chunks, twice
+
+
+def test_after_a_prompt_tail_load_the_tail_chunk_is_stored_once_decoding_completes_it(runners) -> None:
+    """The tail chunk was loaded under its tail key; with ``offload_prompt_only`` false its full
+    key is stored when the decode fills it, and a prompt ending there is served whole."""
+    r = runners([G("full", 16)], extra={"offload_prompt_only": False})
+    prompt = _prompt(100)
+    assert _store_then_serve(r, prompt) == 100  # 6 chunks + the tail; max_tokens 1 fills nothing
+    r.drop_gpu_prefix_cache()
+    req = r.add(prompt, 20)  # the tail hit again, then 20 decoded tokens fill chunk 6 (to 112)
+    r.run_until_idle()
+    assert r.loaded_tokens[req.request_id] == 100
+    r.drop_gpu_prefix_cache()
+    assert r.serve(list(req.all_token_ids[:112]), 1) == 112
+    assert r.load_errors == []
+
+
+def test_a_failed_load_retried_with_no_hit_stores_what_it_recomputes(runners, tmp_path: Path) -> None:
+    """The first chunk's record is corrupt: the streamed load fails, the retry finds nothing and
+    recomputes the prompt. What it recomputed is stored again (the scan was not left past the
+    failed load's chunks), so the next request is served the whole prompt from the host tier."""
+    store = tmp_path / "persist"
+    prompt = _prompt(96)
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    chunk0 = _chunk_store_keys(first, prompt)[0]
+    first.close()
+    _flip_payload_byte(store, chunk0)
+    second = runners([G("full", 16)], store=store)
+    req = second.add(prompt, 1)
+    second.run_until_idle()
+    assert second.stats.data["load_failures"] == 1
+    assert second.stats.data["hit_tokens"] == 0  # the retry: chunk 0 is bad, nothing served
+    assert req.is_finished()
+    second.drop_gpu_prefix_cache()
+    assert second.serve(prompt, 1) == 96
+    assert second.load_errors == []
+
+
+def test_a_lookup_promotes_nothing_past_the_first_missing_chunk(runners, tmp_path: Path) -> None:
+    """Chunk 2 of 6 is gone from the store: the restarted engine's lookup promotes chunks 0 and 1
+    only (chunks 3-5 could not be served, and promoting them would take host slots and make the
+    request wait for them)."""
+    store = tmp_path / "persist"
+    prompt = _prompt(96)
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    gone = _chunk_store_keys(first, prompt)[2]
+    first.close()
+    import lmdb
+
+    with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
+        assert txn.delete(gone, db=raw.open_db(b"index", txn=txn))
+    second = runners([G("full", 16)], store=store)
+    assert second.serve(prompt, 1) == 32
+    assert second.connector.scheduler.hierarchy.stats()["promotions_started"] == 2
+    assert second.load_errors == []

@@ -232,6 +232,58 @@ def test_chunk_is_on_disk_only_when_every_shard_is(env):
 # ---- prefetch -------------------------------------------------------------------------------------
 
 
+def test_a_promotion_never_evicts_a_chunk_the_same_lookup_answered_hit(env):
+    """One request's lookup probes in several batches (groups, windows, tails): a chunk an
+    earlier batch answered HIT is about to be loaded, so a later batch's promotion must not
+    evict it (prepare_load would then fail inside vLLM's scheduler)."""
+    disk = env.disk()
+    h = env.hier(disk, slots=4)
+    store(h, [key(i) for i in range(4)])
+    eventually(lambda: all(on_disk(disk, key(i)) for i in range(4)), "write-behind")
+    h.close()
+    h2 = env.hier(disk, slots=2)
+    store(h2, [key(10)])  # an unrelated chunk, the least recently used
+    store(h2, [key(0)])
+    eventually(lambda: h2.stats()["writes_completed"] == 2, "write-behind")  # slots idle again
+    answered: set[bytes] = set()
+    assert h2.lookup_many([key(0)], protect=answered) == [HIT]
+    answered.add(key(0))
+    # The next batch needs two slots: key(10) may go, key(0) may not.
+    assert h2.lookup_many([key(1), key(2)], protect=answered) == [PENDING, MISS]
+    assert h2.prepare_load([key(0)])  # still there
+    h2.complete_load([key(0)])
+    eventually(lambda: h2.lookup_many([key(1)]) == [HIT], "promotion")
+    # Without the protection the same batch evicts it (what a lookup did before).
+    h3 = env.hier(disk, slots=1)
+    store(h3, [key(0)])
+    eventually(lambda: h3.stats()["writes_completed"] == 1, "write-behind")
+    assert h3.lookup_many([key(0)]) == [HIT]
+    assert h3.lookup_many([key(1)]) == [PENDING]
+    with pytest.raises(KeyError):
+        h3.prepare_load([key(0)])
+
+
+def test_a_prefix_probe_starts_no_promotion_past_its_first_miss(env):
+    """A full-attention run ends at its first chunk that is nowhere: chunks after it on disk are
+    not promoted (they would take host slots, and the lookup would wait for them)."""
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(i) for i in (0, 1, 3, 4)])
+    h.close()
+    h2 = env.hier(disk)
+    keys = [key(i) for i in range(5)]
+    assert h2.lookup_many(keys, prefix=True) == [PENDING, PENDING, MISS, MISS, MISS]
+    assert h2.stats()["promotions_started"] == 2
+    # Host chunks past the miss still answer HIT (the run ignores them); nothing is promoted.
+    store(h2, [key(4)])
+    assert h2.lookup_many(keys, prefix=True)[2:] == [MISS, MISS, HIT]
+    assert h2.stats()["promotions_started"] == 2
+    # A plain probe (a window, or no run) promotes everything it finds.
+    eventually(lambda: h2.lookup_many(keys[:2]) == [HIT, HIT], "promotions")
+    assert h2.lookup_many(keys) == [HIT, HIT, MISS, PENDING, HIT]
+    assert h2.stats()["promotions_started"] == 3
+
+
 def _restart_with_stuck_reads(env, keys: list[bytes], **kw) -> tuple[GatedDisk, Hierarchy]:
     """Store ``keys`` to disk, then a new hierarchy on the same store whose disk reads block
     until ``gated.reads_open`` is set."""

@@ -13,6 +13,7 @@ from kvstrata.connector.semantics import (
     lookup_hit,
     plan_load,
     plan_prompt_tail_store,
+    prompt_tail_end,
     prompt_tail_hit,
     prompt_tail_keys,
     prompt_tail_start,
@@ -126,10 +127,36 @@ def test_other_layouts_are_unchanged() -> None:
     assert hit == 96 and probe.asked == []
 
 
-def test_a_sliding_window_group_is_extended_with_its_tail() -> None:
+def test_a_sliding_window_group_is_extended_with_its_tail_one_token_short() -> None:
+    # R21: vLLM allocates a whole-prompt hit before rewinding, and its window manager would null
+    # a block the recomputed token attends; windowed layouts stop at N - 1 (issue 22, defect 1).
     sw = Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_window=32)))
     hit, probe = _hit(sw)
-    assert hit == 100 and sorted(probe.asked) == sorted(TAILS.values())
+    assert hit == 99 and sorted(probe.asked) == sorted(TAILS.values())
+    assert prompt_tail_end(sw, 100) == 99 and prompt_tail_end(FA, 100) == 100
+    # Caps are measured against that end.
+    assert _hit(sw, max_new_tokens=99)[0] == 99
+    assert _hit(sw, max_new_tokens=98)[0] == 96
+    assert _hit(sw, max_load_tokens=99)[0] == 99
+    assert _hit(sw, max_load_tokens=98)[0] == 96
+
+
+@pytest.mark.parametrize(("n", "local", "expected"), [
+    (1, 0, None),     # a one-token prompt: no tail at all (a hit of 1 would loop forever)
+    (97, 0, None),    # a one-token tail: nothing to save
+    (2, 0, 2),        # FA: the whole prompt, vLLM recomputes token 1
+    (98, 0, 98),
+    (100, 98, 100),   # a local hit inside the tail's block (finer hashes): one token saved
+    (100, 99, None),  # the local hit already reaches the last token: nothing to save
+])
+def test_a_tail_is_served_only_when_it_saves_a_token(n: int, local: int, expected: int | None) -> None:
+    start = prompt_tail_start(FA, n)
+    if expected is None and local == 0:
+        assert start is None
+        return
+    complete = (start or 0) - local if start is not None and local <= start else 0
+    hit, _ = _hit(complete=complete, n=n, local=local)
+    assert hit == (complete if expected is None else expected - local)
 
 
 def test_a_tail_being_loaded_for_another_request_defers() -> None:

@@ -38,6 +38,7 @@ from kvstrata.connector.semantics import (
     sliding_reachable_mask,
     storable_chunks,
     window_run,
+    worthwhile_hit,
 )
 from kvstrata.presence import Presence
 
@@ -273,6 +274,43 @@ def test_window_run_probes_only_what_can_complete_the_run():
 def test_probe_must_answer_every_key():
     with pytest.raises(ValueError):
         prefix_run(idx_keys(2), lambda batch: [HIT])
+
+
+def test_full_attention_runs_go_through_the_prefix_probe_and_windows_do_not():
+    """``probe_prefix`` (a tier may stop at a run's first MISS) answers full-attention runs;
+    windows are scanned right to left and need every answer, so they use ``probe``."""
+    keys = keys_of(E3, hashes(200, 16))
+    by_prefix: list[bytes] = []
+    by_plain: list[bytes] = []
+
+    def plain(batch):
+        by_plain.extend(batch)
+        return [HIT] * len(batch)
+
+    def prefix(batch):
+        by_prefix.extend(batch)
+        return [HIT] * len(batch)
+
+    hit = lookup_hit(E3, num_tokens=200, local_computed=0, keys=keys, probe=plain, probe_prefix=prefix)
+    assert hit == 192
+    assert set(by_prefix) == set(keys[0]) and set(by_plain) <= set(keys[1]) and by_plain
+
+
+@pytest.mark.parametrize(("hit", "num_tokens", "local", "expected"), [
+    (1, 1, 0, 0),     # a one-token prompt's hit would rewind to 0 and be looked up forever
+    (2, 2, 0, 2),     # the whole of a 2-token prompt: token 0 is saved
+    (16, 32, 16, 16),
+    (1, 17, 16, 0),   # the whole prompt, one token past the local hit: nothing saved
+    (1, 18, 16, 1),   # not the whole prompt: a token saved
+])
+def test_a_hit_that_saves_nothing_is_no_hit(hit, num_tokens, local, expected):
+    assert worthwhile_hit(hit, num_tokens=num_tokens, local_computed=local) == expected
+
+
+def test_a_one_token_block_layout_never_serves_a_one_token_prompt():
+    tiny = Layout((fa(0, tpb=1, bpc=1, tph=1),))
+    assert serve(tiny, 1) == 0
+    assert serve(tiny, 2) == 2
 
 
 # ----------------------------------------------------------------------------- R17 worked lookups

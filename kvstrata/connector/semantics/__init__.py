@@ -32,6 +32,10 @@ Lookup (``lookup``)
     its initial cap, so a finer group stopping short of a Mamba boundary yields a hit whose Mamba
     state lies beyond it. kvstrata re-runs the lookup with the cap rounded down to the Mamba chunk
     until the hit ends on a Mamba boundary (``align_final_to_mamba=False`` reproduces vLLM).
+    ``probe_prefix`` (optional) answers full-attention runs and may stop at their first MISS
+    (a tier then starts no disk promotion that the run could not use).
+    ``worthwhile_hit(hit, *, num_tokens, local_computed)``: 0 for a hit that would save nothing
+    (a whole-request hit not past ``local + 1``; a one-token prompt's would loop, R21).
     ``prefix_run`` (R18) and ``window_run`` (R19) are exposed for tests.
     ``partial_tail_hit(layout, *, complete_hit, num_prompt_tokens, local_computed, block_hashes,
     probe, max_new_tokens=None, max_load_tokens=None, keys=None, being_loaded=None) -> (hit |
@@ -55,10 +59,13 @@ Loads and boundary stores (``transfers``)
 
 Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
     ``Layout.serves_prompt_tails``: full or sliding-window groups, one chunk size, no drafter.
-    ``prompt_tail_start(layout, num_prompt_tokens)``: start of the prompt's partial last chunk.
+    ``prompt_tail_start(layout, num_prompt_tokens)``: start of the prompt's partial last chunk
+    (None for a one-token tail, which would save nothing). ``prompt_tail_end``: where a tail hit
+    ends — the prompt's end, one token short with windowed groups (R21: vLLM allocates before
+    it rewinds, and its window manager would null a block the recomputed token attends).
     ``prompt_tail_hit(layout, *, complete_hit, num_tokens, num_prompt_tokens, local_computed,
-    tail_keys, probe, ...) -> int | None``: a complete hit reaching that chunk extends to the
-    prompt's end when every group holds its tail key. ``prompt_tail_keys(layout, block_hashes,
+    tail_keys, probe, ...) -> int | None``: a complete hit reaching that chunk extends to that
+    end when every group holds its tail key and the tail saves at least one token. ``prompt_tail_keys(layout, block_hashes,
     num_prompt_tokens, hash_tail)``: those keys (the adapter's ``hash_tail`` hashes the partial
     block with vLLM's ``hash_block_tokens``). ``plan_prompt_tail_store(layout, *, num_prompt_tokens,
     computed_before, computed_after, block_ids, tail_keys, max_offload_tokens=None)``: the tail
@@ -108,9 +115,11 @@ from kvstrata.connector.semantics.lookup import (
     partial_tail_hit,
     prefix_run,
     window_run,
+    worthwhile_hit,
 )
 from kvstrata.connector.semantics.prompt_tail import (
     plan_prompt_tail_store,
+    prompt_tail_end,
     prompt_tail_hit,
     prompt_tail_keys,
     prompt_tail_start,
@@ -154,6 +163,7 @@ __all__ = [
     "plan_prompt_tail_store",
     "plan_store",
     "prefix_run",
+    "prompt_tail_end",
     "prompt_tail_hit",
     "prompt_tail_keys",
     "prompt_tail_start",
@@ -162,4 +172,5 @@ __all__ = [
     "sliding_reachable_mask",
     "storable_chunks",
     "window_run",
+    "worthwhile_hit",
 ]

@@ -16,7 +16,8 @@ def prefix_run(keys: Sequence[bytes], probe: Probe) -> int | None:
 
     HIT counts; PENDING counts but defers; RETRY defers without counting and the scan goes on (a
     tier may start an async lookup for the keys behind it); MISS ends the run. All keys are probed
-    in one batch: answers past the first MISS are ignored.
+    in one batch: answers past the first MISS are ignored, so ``probe`` may be a *prefix probe*
+    that looks nothing up (and starts no promotion) past the first key it cannot serve.
     """
     if not keys:
         return 0
@@ -118,11 +119,13 @@ class _Convergence:
         keys: Mapping[int, Sequence[bytes]],
         probe: Probe,
         round_to_chunks: bool,
+        probe_prefix: Probe | None = None,
     ) -> None:
         self.layout = layout
         self.local = local_computed
         self.keys = keys
         self.probe = probe
+        self.probe_prefix = probe_prefix or probe
         # With a per-request load cap, vLLM rounds the boundary down to each group's chunk.
         self.round_to_chunks = round_to_chunks
 
@@ -187,7 +190,7 @@ class _Convergence:
         window_keys = keys[start:num_chunks]
         window = geom.window_chunks
         if window is None:
-            return prefix_run(window_keys, self.probe), start
+            return prefix_run(window_keys, self.probe_prefix), start
         candidate_end = min(max_hit, (num_chunks - int(unverified)) * tpc)
         initial = geom.load_window_chunks(candidate_end)
         assert initial is not None
@@ -228,11 +231,14 @@ def lookup_hit(
     max_load_tokens: int | None = None,
     being_loaded: Callable[[bytes], bool] | None = None,
     align_final_to_mamba: bool = True,
+    probe_prefix: Probe | None = None,
 ) -> int | None:
     """Tokens loadable beyond ``local_computed`` (0 = nothing), or None = ask again next step.
 
     ``keys[g]`` are group ``g``'s chunk keys (``chunk_keys``) for the request's current hashes.
-    ``probe(keys) -> presences`` answers a batch of keys. ``being_loaded(key)``: that chunk is being
+    ``probe(keys) -> presences`` answers a batch of keys; ``probe_prefix`` (default ``probe``)
+    answers a full-attention group's run, and may answer MISS for every key after the first
+    MISS without looking it up (see ``prefix_run``). ``being_loaded(key)``: that chunk is being
     loaded for another request (only with GPU prefix caching on; None otherwise).
 
     With ``align_final_to_mamba`` (kvstrata's behaviour) a hit whose end is not on an align-mode
@@ -253,6 +259,7 @@ def lookup_hit(
         keys=keys,
         probe=probe,
         round_to_chunks=max_load_tokens is not None,
+        probe_prefix=probe_prefix,
     )
     mamba_tpc = layout.mamba_tokens_per_chunk if align_final_to_mamba else None
     while True:
@@ -269,6 +276,16 @@ def lookup_hit(
         layout, keys, local_computed, local_computed + hit, being_loaded
     ):
         return None
+    return worthwhile_hit(hit, num_tokens=num_tokens, local_computed=local_computed)
+
+
+def worthwhile_hit(hit: int, *, num_tokens: int, local_computed: int) -> int:
+    """``hit``, or 0 when it would save nothing: a hit reaching the whole request makes vLLM
+    recompute its last token, so one that does not reach past ``local_computed + 1`` gains
+    nothing — and a hit of a one-token prompt is rewound to 0 computed tokens, which vLLM
+    takes for a new request and looks up again, forever (R21)."""
+    if local_computed + hit >= num_tokens and num_tokens - 1 <= local_computed:
+        return 0
     return hit
 
 
@@ -284,6 +301,7 @@ def partial_tail_hit(
     max_load_tokens: int | None = None,
     keys: Mapping[int, Sequence[bytes]] | None = None,
     being_loaded: Callable[[bytes], bool] | None = None,
+    probe_prefix: Probe | None = None,
 ) -> tuple[int | None, int | None]:
     """Extend a complete-chunk hit into the next block at hash granularity (R7, R30).
 
@@ -310,6 +328,7 @@ def partial_tail_hit(
     split a one-chunk prefill, so they hand off the state at the tail alone; vLLM's lookup,
     which searches tails only above a complete hit of every group, serves such prompts nothing.
     Past the complete hit, a chunk being loaded for another request defers (as R17.5 does below).
+    ``probe_prefix``: as in ``lookup_hit``, for the attention prefix past the complete hit.
     """
     if complete_hit is None or not layout.supports_partial_tail:
         return complete_hit, None
@@ -323,7 +342,9 @@ def partial_tail_hit(
     # Where the full-attention prefix ends: stored (ready), or once the keys on their way land.
     ready_end = reachable_end = complete_end
     if keys is not None:
-        ready_end, reachable_end = _attention_prefix_ends(layout, keys, complete_end, limit, probe)
+        ready_end, reachable_end = _attention_prefix_ends(
+            layout, keys, complete_end, limit, probe_prefix or probe
+        )
     tpb = layout.groups[0].tokens_per_block
     max_boundary = round_down(min(limit, reachable_end + tpb - 1), tph)
     # Past vLLM's block, Mamba states are rare (tails, junctions): ask for them all at once and

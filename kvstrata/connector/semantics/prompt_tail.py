@@ -26,12 +26,27 @@ from kvstrata.presence import Presence
 
 
 def prompt_tail_start(layout: Layout, num_prompt_tokens: int) -> int | None:
-    """Where the prompt's partial last chunk starts, or None (no tail, or not served here)."""
+    """Where the prompt's partial last chunk starts, or None: no tail, a tail not served for
+    this layout, or a one-token tail (vLLM recomputes the prompt's last token after any hit, so
+    serving it would save nothing, and a one-token prompt would be rewound to nothing and
+    looked up again forever)."""
     if not layout.serves_prompt_tails:
         return None
     tpc = layout.groups[0].tokens_per_chunk
     start = num_prompt_tokens - num_prompt_tokens % tpc
-    return None if start == num_prompt_tokens else start
+    return None if num_prompt_tokens - start < 2 else start
+
+
+def prompt_tail_end(layout: Layout, num_prompt_tokens: int) -> int:
+    """Where a prompt-tail hit ends (absolute), the same cap as complete chunks (R17.2, R21).
+
+    Full attention only: the whole prompt; vLLM rewinds to its last token and recomputes it.
+    With a sliding-window group: one token short. vLLM allocates blocks for the hit *before*
+    the rewind, and its window manager then nulls every block wholly below ``end - W + 1``; a
+    hit of the whole prompt would leave position ``N - W``, which the recomputed last token
+    attends, in a null block whenever ``N - W + 1`` falls on a block boundary.
+    """
+    return num_prompt_tokens - 1 if layout.windowed_groups else num_prompt_tokens
 
 
 def prompt_tail_keys(
@@ -69,22 +84,27 @@ def prompt_tail_hit(
     max_load_tokens: int | None = None,
     being_loaded: Callable[[bytes], bool] | None = None,
 ) -> int | None:
-    """Extend a complete-chunk hit that reaches the prompt's last chunk boundary to the prompt's
-    end, when every group holds its tail key. None = ask again later.
+    """Extend a complete-chunk hit that reaches the prompt's last chunk boundary to
+    ``prompt_tail_end`` (the prompt's end, one token short with windowed groups), when every
+    group holds its tail key. None = ask again later.
 
     The tail keys are probed whenever a tail could apply, also while the complete hit defers:
     their disk promotion then runs alongside the chunks' instead of after them. A tail still
     promoting defers the hit (like a chunk, R18); a missing one leaves the complete hit. Only a
-    request that is still its prompt (``num_tokens == num_prompt_tokens``) and whose caps allow
-    the whole prompt is extended.
+    request that is still its prompt (``num_tokens == num_prompt_tokens``), whose caps allow the
+    tail's end, and for which the tail saves computing at least one token (vLLM recomputes the
+    prompt's last token after any hit, and the local hit may already reach into the tail's
+    block at a finer hash) is extended.
     """
     start = prompt_tail_start(layout, num_prompt_tokens)
+    end = prompt_tail_end(layout, num_prompt_tokens)
     if (
         tail_keys is None
         or start is None
         or num_tokens != num_prompt_tokens
-        or (max_new_tokens is not None and local_computed + max_new_tokens < num_prompt_tokens)
-        or (max_load_tokens is not None and max_load_tokens < num_prompt_tokens - local_computed)
+        or num_prompt_tokens - 1 <= max(start, local_computed)
+        or (max_new_tokens is not None and local_computed + max_new_tokens < end)
+        or (max_load_tokens is not None and max_load_tokens < end - local_computed)
     ):
         return complete_hit
     if complete_hit is not None and local_computed + complete_hit < start:
@@ -101,7 +121,7 @@ def prompt_tail_hit(
         return None  # PENDING or RETRY: it is on its way
     if being_loaded is not None and any(being_loaded(k) for k in keys):
         return None  # R17.5: the GPU prefix cache will have it after that load
-    return num_prompt_tokens - local_computed
+    return end - local_computed
 
 
 def plan_prompt_tail_store(
