@@ -347,6 +347,7 @@ class StrataScheduler:
         self._loads.append(TransferJob(job_id, request.request_id, False, copies))
         if any(c.ticket > 0 for c in copies):
             self._streaming.add(job_id)
+            self.stats.streamed_loads += 1
         if self._being_loaded is not None:
             self._being_loaded.update(keys)
         self.stats.load_jobs += 1

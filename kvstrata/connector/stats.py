@@ -22,6 +22,7 @@ COUNTERS = {
     "hit_tokens_host": "Tokens served from the host tier",
     "hit_tokens_disk": "Tokens served after promotion from the disk tier",
     "load_jobs": "Load jobs (device <- host)",
+    "streamed_loads": "Load jobs sent before all their chunks landed from disk (stream_loads)",
     "store_jobs": "Store jobs (device -> host)",
     "bytes_loaded": "Bytes copied host -> device",
     "bytes_stored": "Bytes copied device -> host",

@@ -154,30 +154,41 @@ class Completion:
     # Arrival to first token, measured by the engine (includes kvstrata lookups and loads).
     ttft_s: float | None
     num_cached_tokens: int
+    # The first generated token's top log-probabilities, ``[[token_id, logprob], ...]`` best
+    # first, when asked for (``logprobs``).
+    first_logprobs: list[list[float]] | None = None
 
 
 def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int, *,
-             cache_salt: str | None = None, ignore_eos: bool = True,
-             kv_transfer_params: dict[str, Any] | None = None) -> list[Completion]:
+             cache_salt: str | Sequence[str | None] | None = None, ignore_eos: bool = True,
+             kv_transfer_params: dict[str, Any] | None = None,
+             logprobs: int | None = None) -> list[Completion]:
     """Greedy generation of ``max_tokens`` tokens for each token-id prompt (one batch).
 
     ``cache_salt`` enters the first block's hash, so salted prompts share no KV with unsalted or
     differently salted ones: it makes a "cold" request cold on a store that saw the prompt before.
+    One salt for all prompts, or one per prompt (each prompt then computed on its own).
     ``kv_transfer_params`` go to the connector per request (e.g. ``{"max_load_tokens": 0,
-    "max_offload_tokens": 0}`` keeps a request away from kvstrata entirely).
+    "max_offload_tokens": 0}`` keeps a request away from kvstrata entirely). ``logprobs``: report
+    the first token's top ``logprobs`` log-probabilities (``Completion.first_logprobs``).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                             detokenize=not llm.llm_engine.model_config.skip_tokenizer_init,
+                            logprobs=logprobs,
                             extra_args={"kv_transfer_params": kv_transfer_params}
                             if kv_transfer_params else None)
+    salts = ([cache_salt] * len(prompts) if cache_salt is None or isinstance(cache_salt, str)
+             else list(cache_salt))
+    if len(salts) != len(prompts):
+        raise ValueError(f"{len(salts)} cache salts for {len(prompts)} prompts")
     requests = []
-    for p in prompts:
+    for p, salt in zip(prompts, salts, strict=True):
         request = TokensPrompt(prompt_token_ids=list(p))
-        if cache_salt:
-            request["cache_salt"] = cache_salt
+        if salt:
+            request["cache_salt"] = salt
         requests.append(request)
     outs = llm.generate(requests, params, use_tqdm=False)
     result = []
@@ -185,12 +196,15 @@ def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int, *,
         metrics = getattr(out, "metrics", None)
         ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
         completion = out.outputs[0]
+        first = completion.logprobs[0] if logprobs and completion.logprobs else None
         result.append(Completion(
             token_ids=list(completion.token_ids),
             text=completion.text if completion.text else None,
             prompt_tokens=len(out.prompt_token_ids or ()),
             ttft_s=float(ttft) if ttft else None,
             num_cached_tokens=int(out.num_cached_tokens or 0),
+            first_logprobs=None if first is None else sorted(
+                ([int(t), float(lp.logprob)] for t, lp in first.items()), key=lambda e: -e[1]),
         ))
     return result
 
@@ -315,7 +329,8 @@ def run_job(job: dict[str, Any], progress: ProgressFn | None = None) -> dict[str
     """Run a job in this process. Steps:
 
     * ``{"op": "generate", "name": ..., "prompts": [[ids]...], "max_tokens": n,
-      "cache_salt": s, "ignore_eos": b, "kv_transfer_params": {...}}`` (all but prompts optional)
+      "cache_salt": s (or one per prompt), "ignore_eos": b, "kv_transfer_params": {...},
+      "logprobs": k}`` (all but prompts optional)
     * ``{"op": "reset_prefix_cache"}`` (vLLM's device prefix cache only; kvstrata keeps its tiers)
     * ``{"op": "drop_page_cache"}``
     * ``{"op": "sleep", "seconds": s}``
@@ -360,7 +375,8 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
         outs = generate(llm, prompts, int(step.get("max_tokens", 16)),
                         cache_salt=step.get("cache_salt"),
                         ignore_eos=bool(step.get("ignore_eos", True)),
-                        kv_transfer_params=step.get("kv_transfer_params"))
+                        kv_transfer_params=step.get("kv_transfer_params"),
+                        logprobs=step.get("logprobs"))
         wall = time.perf_counter() - t
         return {"op": op, "name": name, "wall_s": wall,
                 "outputs": [asdict(o) for o in outs],

@@ -15,13 +15,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from equivalence import (
+    EQ_MAX_TOKENS,
+    TOP_K,
+    Boundaries,
+    Verdict,
+    compare_step,
+    follow_ups,
+    prompt_rounds,
+    reference_step,
+    references_of,
+    seeds,
+)
+
 from kvstrata.connector.keys import NAMESPACE_BYTES
 from kvstrata.tools import models
 from kvstrata.tools.engine import EngineOptions, run_job_subprocess, run_jobs_subprocess
 
 MAX_TOKENS = 12
 KV_BYTES = 64 << 20
-HOST_BYTES = 64 << 20
+HOST_BYTES = 256 << 20  # room for every chunk of a round (a full host tier misses)
 JOB_TIMEOUT_S = 300.0
 
 
@@ -42,6 +55,17 @@ PROMPTS = make_prompts()
 
 
 @dataclass(frozen=True)
+class Restart:
+    """One more restarted engine on a scenario's store, serving the equivalence prompts again:
+    ``name`` is its round, ``extra`` its kvstrata options, ``steps`` what runs before the round."""
+
+    name: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    host_bytes: int = HOST_BYTES
+    steps: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelCase:
     """One architecture under test and the engine settings it needs on CPU."""
 
@@ -56,6 +80,24 @@ class ModelCase:
     # Attention-only layouts (full, sliding window) without a drafter: the prompt's partial last
     # block is stored and served too (semantics.prompt_tail), so a hit covers the whole prompt.
     serves_prompt_tails: bool = False
+    # Where this layout's behaviour changes (the equivalence prompts' lengths).
+    block: int = 128  # vLLM's CPU default
+    window: int | None = None
+    mamba: bool = False  # an align-mode Mamba group whose chunk is the block
+    # kvstrata options of every kvstrata engine of this case.
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Restarted engines after the main restart, each serving the equivalence prompts again.
+    restarts: tuple[Restart, ...] = ()
+    vocab: int = models.TINY_VOCAB
+
+    @property
+    def chunk(self) -> int:
+        return self.block * int(self.extra.get("blocks_per_chunk", 1))
+
+    @property
+    def boundaries(self) -> Boundaries:
+        return Boundaries(self.block, self.chunk, self.window,
+                          self.block if self.mamba else None, self.prefix_match_unit)
 
     def options(self, model_dir: Path, store: Path | None, **overrides: Any) -> EngineOptions:
         """Engine options for this case; ``store`` None runs vLLM without kvstrata."""
@@ -66,10 +108,12 @@ class ModelCase:
             engine["speculative_config"] = {
                 "method": "eagle", "model": str(model_dir / "draft"), "num_speculative_tokens": 2}
             model_dir = model_dir / "target"
-        return EngineOptions(
-            model=str(model_dir), store=None if store is None else str(store), host_bytes=HOST_BYTES,
-            kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, skip_tokenizer_init=True,
-            **{**engine, **overrides})
+        extra = {**self.extra, **overrides.pop("extra_config", {})}
+        settings: dict[str, Any] = {
+            "host_bytes": HOST_BYTES, "kv_cache_memory_bytes": KV_BYTES, "max_model_len": 2048,
+            "skip_tokenizer_init": True, **engine, **overrides}
+        return EngineOptions(model=str(model_dir), store=None if store is None else str(store),
+                             extra_config=extra, **settings)
 
     def model_path(self, model_dir: Path) -> str:
         return str(model_dir / "target") if self.eagle else str(model_dir)
@@ -81,26 +125,45 @@ def _llama_with_eagle(out: Path, seed: int) -> Path:
     return out
 
 
+# A host tier too small for a round's prompts: chunks are evicted between requests and come
+# from disk again (the smallest host tier kvstrata accepts).
+TIGHT_HOST = Restart("tight_host", host_bytes=1 << 20)
+# Warm start after a restart: the chunks used last are promoted in the background (milliseconds
+# for these stores; the engine is idle meanwhile), so the round is served from the host tier.
+WARM_START = Restart("warm_start", {"warm_start_bytes": HOST_BYTES},
+                     steps=({"op": "sleep", "seconds": 3.0},))
+
+# vLLM's dtype "auto" runs a float32 checkpoint in bf16 (KV cache included), where the KV a
+# forward writes depends on the batch around it (kernel tiles): float32 keeps the comparison with
+# a recomputation at the 1e-6 level (equivalence.TOLERANCE is 1e-4).
+FP32 = {"dtype": "float32"}
+
 CASES: dict[str, ModelCase] = {
-    "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), serves_prompt_tails=True),
+    "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), engine=FP32,
+                       serves_prompt_tails=True, restarts=(TIGHT_HOST, WARM_START)),
     # Under vLLM's default kv_load_failure_policy ("fail") kvstrata does not stream: every chunk
     # is read and verified before a hit is answered, so the corrupt record is a plain miss.
+    # Chunks of two blocks, and decoded tokens stored too (multi-turn follow-ups reuse them).
     "llama_verify_first": ModelCase("llama_verify_first", lambda d, s: models.make_tiny_llama(d, seed=s),
-                                    engine={"kv_load_failure_policy": "fail"}, serves_prompt_tails=True),
-    "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s), serves_prompt_tails=True),
+                                    engine={**FP32, "kv_load_failure_policy": "fail"},
+                                    serves_prompt_tails=True,
+                                    extra={"blocks_per_chunk": 2, "offload_prompt_only": False}),
+    "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s), engine=FP32,
+                        serves_prompt_tails=True, window=64, restarts=(TIGHT_HOST,)),
     # GDN blocks are storable only when prefill chunks end on the 384-token block. One sequence
     # per step: CPU GDN runs only in bf16, where a request's numerics depend on what else is in
     # its batch; a reloaded request batched differently from its cold run then flips greedy
     # near-ties (top-2 logprobs one bf16 step apart were seen). Alone, both runs compute the same
     # chunks and are bit-identical, so any difference is kvstrata's.
     "qwen3_next": ModelCase("qwen3_next", lambda d, s: models.make_tiny_qwen3_next(d, seed=s),
-                            engine={"max_num_batched_tokens": 384, "max_num_seqs": 1}),
+                            engine={"max_num_batched_tokens": 384, "max_num_seqs": 1},
+                            block=384, mamba=True),
     # The same with 128-token hashes: the state at each prompt's last 128-token boundary is stored
     # from the scheduler's copy-on-write hand-off and served, up to 383 tokens more per prompt.
     "qwen3_next_tails": ModelCase("qwen3_next_tails", lambda d, s: models.make_tiny_qwen3_next(d, seed=s),
                                   engine={"max_num_batched_tokens": 384, "max_num_seqs": 1},
-                                  prefix_match_unit=128),
-    "llama_eagle": ModelCase("llama_eagle", _llama_with_eagle, eagle=True),
+                                  prefix_match_unit=128, block=384, mamba=True),
+    "llama_eagle": ModelCase("llama_eagle", _llama_with_eagle, engine=FP32, eagle=True),
 }
 
 
@@ -109,8 +172,10 @@ CASES: dict[str, ModelCase] = {
 # ------------------------------------------------------------------------------------------
 
 
-def generate_step(name: str, prompts: list[list[int]] = PROMPTS) -> dict[str, Any]:
-    return {"op": "generate", "name": name, "prompts": prompts, "max_tokens": MAX_TOKENS}
+def generate_step(name: str, prompts: list[list[int]] = PROMPTS,
+                  max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"op": "generate", "name": name, "prompts": prompts, "max_tokens": max_tokens,
+            "logprobs": TOP_K}
 
 
 def run_phase(opts: EngineOptions, steps: list[dict[str, Any]], log: Path) -> dict[str, dict[str, Any]]:
@@ -122,6 +187,11 @@ def run_phase(opts: EngineOptions, steps: list[dict[str, Any]], log: Path) -> di
 
 def steps_by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["name"]: s for s in result["steps"]}
+
+
+def _merged(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The steps of several jobs (one process) by name."""
+    return {name: step for r in results for name, step in steps_by_name(r).items()}
 
 
 def token_ids(step: dict[str, Any]) -> list[list[int]]:
@@ -158,11 +228,16 @@ def _stage(fn: Callable[[Scenario], Any]) -> property:
 class Scenario:
     """One model through the whole story, each stage run once, in order, when first needed.
 
-    1. ``first``: cold, ``reset_prefix_cache()``, the same prompts again (host tier);
-    2. ``restart``: a new process on the same store (disk tier);
+    1. ``first``: cold, ``reset_prefix_cache()``, the same prompts again (host tier); then the
+       equivalence prompts likewise (``equivalence.prompt_rounds``);
+    2. ``restart``: a new process on the same store (disk tier), the equivalence prompts and
+       their follow-ups again; then each of the case's ``restarts`` (one more engine each);
     3. ``corrupted``: one record's payload bytes flipped in ``data.mdb``, then a new process;
     4. ``foreign``: then, in that process, another model (same architecture, other weights: other
        fingerprint, the same chunk keys) on that store.
+
+    The processes of stages 1 and 2 first run the same engine without kvstrata on every prompt,
+    each on its own: ``verdicts(round)`` compares what kvstrata served with that recomputation.
     """
 
     def __init__(self, case: ModelCase, root: Path) -> None:
@@ -171,7 +246,14 @@ class Scenario:
         self.store = root / "store"
         self.model_dir = case.build(root / "model", 0)
         self.opts = case.options(self.model_dir, self.store)
+        self.reference_opts = case.options(self.model_dir, None)
+        self.eq = prompt_rounds(case.boundaries, case.vocab, seeds())
         self._done: dict[str, Any] = {}
+
+    @property
+    def rounds(self) -> list[str]:
+        """The served rounds (steps compared with the recomputation), in the order they ran."""
+        return ["cold", "host", "disk", *(r.name for r in self.case.restarts), "after_corruption"]
 
     def _log(self, name: str) -> Path:
         return self.root / f"{name}.log"
@@ -180,16 +262,81 @@ class Scenario:
         """The engine output (vLLM's and kvstrata's logging) of one stage's process."""
         return self._log(name).read_text(errors="replace")
 
+    def _eq_step(self, name: str, prompts: list[list[int]]) -> dict[str, Any]:
+        return generate_step(f"eq_{name}", prompts, EQ_MAX_TOKENS)
+
     @_stage
     def first(self) -> dict[str, dict[str, Any]]:
-        return run_phase(self.opts, [generate_step("cold"), {"op": "reset_prefix_cache"},
-                                     generate_step("host")], self._log("first"))
+        eq = self.eq
+        reference = {"engine": asdict(self.reference_opts), "steps": [
+            reference_step("ref", PROMPTS, MAX_TOKENS),
+            reference_step("ref_eq", eq.first + eq.second, EQ_MAX_TOKENS)]}
+        served = {"engine": asdict(self.opts), "steps": [
+            generate_step("cold"), {"op": "reset_prefix_cache"}, generate_step("host"),
+            self._eq_step("cold", eq.first), {"op": "reset_prefix_cache"},
+            self._eq_step("host", eq.second)]}
+        return _merged(run_jobs_subprocess([reference, served], timeout_s=JOB_TIMEOUT_S,
+                                           log_path=self._log("first")))
+
+    @property
+    def follow_ups(self) -> list[tuple[list[int], int]]:
+        """Multi-turn follow-ups of the first round, with the length of their first turn."""
+        return follow_ups(self.eq.first, token_ids(self.first["eq_cold"]), self.case.vocab)
+
+    def round_prompts(self, name: str) -> list[list[int]]:
+        """The prompts of equivalence step ``eq_<name>`` (``<round>_follow_ups``: the follow-ups,
+        after the round's own step and a prefix-cache reset, so that vLLM's device cache holds
+        none of their first turns)."""
+        if name == "cold":
+            return self.eq.first
+        if name.endswith("_follow_ups"):
+            return [p for p, _ in self.follow_ups]
+        return self.eq.second
+
+    def _restart_steps(self, name: str) -> list[dict[str, Any]]:
+        return [self._eq_step(name, self.eq.second), {"op": "reset_prefix_cache"},
+                self._eq_step(f"{name}_follow_ups", self.round_prompts(f"{name}_follow_ups"))]
 
     @_stage
     def restart(self) -> dict[str, dict[str, Any]]:
         _ = self.first  # stages run in order
-        return run_phase(self.opts, [{"op": "drop_page_cache"}, generate_step("disk")],
-                         self._log("restart"))
+        reference = {"engine": asdict(self.reference_opts), "steps": [
+            reference_step("ref_follow_ups", [p for p, _ in self.follow_ups], EQ_MAX_TOKENS)]}
+        served = {"engine": asdict(self.opts), "steps": [
+            {"op": "drop_page_cache"}, generate_step("disk"), *self._restart_steps("disk")]}
+        more = [{"engine": asdict(self.case.options(self.model_dir, self.store, extra_config=r.extra,
+                                                    host_bytes=r.host_bytes)),
+                 "steps": [{"op": "drop_page_cache"}, *r.steps, *self._restart_steps(r.name)]}
+                for r in self.case.restarts]
+        return _merged(run_jobs_subprocess([reference, served, *more], timeout_s=JOB_TIMEOUT_S,
+                                           log_path=self._log("restart")))
+
+    @property
+    def references(self) -> dict[tuple[int, ...], dict[str, Any]]:
+        first, restart = self.first, self.restart
+        return references_of([
+            (PROMPTS, first["ref"]), (self.eq.first + self.eq.second, first["ref_eq"]),
+            ([p for p, _ in self.follow_ups], restart["ref_follow_ups"])])
+
+    def step(self, name: str) -> dict[str, Any]:
+        """A served step of any stage by name (``cold``, ``eq_disk``, ``after_corruption``...)."""
+        if name == "after_corruption":
+            return self.corrupted[1][name]
+        return self.first[name] if name in self.first else self.restart[name]
+
+    def verdicts(self, name: str) -> list[Verdict]:
+        """Round ``name`` against the recomputation: the long prompts' step of that name (where
+        there is one) and its equivalence step."""
+        refs = self.references
+        out: list[Verdict] = []
+        if name in ("cold", "host", "disk", "after_corruption"):
+            out += compare_step(refs, self.step(name), PROMPTS)
+        if name != "after_corruption":
+            out += compare_step(refs, self.step(f"eq_{name}"), self.round_prompts(name))
+        if name not in ("cold", "host", "after_corruption"):
+            follow = f"{name}_follow_ups"
+            out += compare_step(refs, self.step(f"eq_{follow}"), self.round_prompts(follow))
+        return out
 
     @_stage
     def _last_process(self) -> tuple[bytes, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:

@@ -7,6 +7,8 @@ in their own engine processes (see ``e2e_harness.Scenario``); the tests assert o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from e2e_harness import (
     CASES,
@@ -25,8 +27,8 @@ from kvstrata.connector.keys import NAMESPACE_BYTES
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Scenario:
-    return Scenario(CASES[request.param], tmp_path_factory.mktemp(request.param))
+def scenario(request: pytest.FixtureRequest, scenarios: Callable[[str], Scenario]) -> Scenario:
+    return scenarios(request.param)  # shared with the equivalence tests: run once per session
 
 
 @pytest.mark.slow
@@ -61,8 +63,13 @@ def test_restart_serves_first_request_from_disk(scenario: Scenario) -> None:
         assert metric(disk, "spec_decode_num_drafts") > 0, dump(disk["metrics"])
     if scenario.case.prefix_match_unit is not None:
         assert kvstrata_hits(disk) == kvstrata_hits(scenario.first["host"]), dump(disk["metrics"])
-    if scenario.case.serves_prompt_tails:  # none of the prompts ends on a block boundary
-        assert [o["num_cached_tokens"] for o in disk["outputs"]] == [len(p) for p in PROMPTS]
+    if scenario.case.serves_prompt_tails:
+        # None of the prompts ends on a block boundary: the two unrelated ones are served to the
+        # end of their tails, the whole prompt or one token short with a window (R21). (The third
+        # shares the first's 1000 tokens: with 2-block chunks vLLM's own cache then holds half a
+        # chunk of it, and a chunk is loaded only with at least a chunk beyond the local hit.)
+        end = 1 if scenario.case.window else 0
+        assert [o["num_cached_tokens"] for o in disk["outputs"][:2]] == [len(p) - end for p in PROMPTS[:2]]
 
 
 @pytest.mark.slow

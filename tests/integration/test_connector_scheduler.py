@@ -1009,3 +1009,22 @@ def test_a_lookup_promotes_nothing_past_the_first_missing_chunk(runners, tmp_pat
     assert second.serve(prompt, 1) == 32
     assert second.connector.scheduler.hierarchy.stats()["promotions_started"] == 2
     assert second.load_errors == []
+
+
+# ---- kept window tails (semantics.plan_store keep_served_tails) under vLLM's default retention 0 --
+# vLLM keeps a sliding window's tail only where a replay's search starts (the replay boundary);
+# a drafter's pop or a Mamba rounding ends the hit lower, where kvstrata keeps the tail too.
+# The harness checks every position the first computed token attends.
+KEPT_TAIL_CASES = [
+    ("sw-eagle", [G("full", 16), G("sw", 16, window=32, eagle=True)], True, 100, 80),
+    ("sw-mamba", [G("full", 16), G("sw", 16, window=32), G("mamba", 64)], False, 100, 64),
+    ("sw-mamba-eagle", [G("full", 16, eagle=True), G("sw", 16, window=32), G("mamba", 32)], True, 140, 96),
+]
+
+
+@pytest.mark.parametrize(("name", "groups", "spec", "n", "expected"), KEPT_TAIL_CASES,
+                         ids=[c[0] for c in KEPT_TAIL_CASES])
+def test_kept_window_tails_serve_the_replay_with_every_attended_block(
+        runners, name, groups, spec, n: int, expected: int) -> None:
+    r = runners(groups, spec_decode=spec, retention=0)
+    assert _store_then_serve(r, _prompt(n)) == expected
