@@ -7,10 +7,13 @@ back to a default.
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +21,12 @@ DEFAULT_STORE_ENV = "KVSTRATA_STORE"
 DEFAULT_HOST_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 64 << 30
 MAX_AUTO_IO_THREADS = 4
+MAX_SIZE_BYTES = 1 << 60  # 1 EiB: beyond any disk or memory, still a 64-bit count
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+# Numbers in strings are ASCII only: no Unicode digits ("²", "٤"), "nan", "inf" or underscores.
+_INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
+_SIZE_RE = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))\s*([a-z]*)\s*", re.ASCII | re.IGNORECASE)
+_SECONDS_RE = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?\s*", re.ASCII | re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "kib": 1 << 10,
@@ -37,31 +44,40 @@ def default_store_path() -> Path:
     """The embedded default store: ``$KVSTRATA_STORE`` or ``~/.cache/kvstrata/store``."""
     env = os.environ.get(DEFAULT_STORE_ENV)
     if env:
-        return Path(env).expanduser()
+        try:
+            return _expand_path(env)
+        except ValueError as exc:
+            raise ConfigError(f"${DEFAULT_STORE_ENV}: {exc}") from None
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "kvstrata" / "store"
 
 
 def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string such as ``"4GiB"`` / ``"512 MB"``."""
+    """Bytes from an int or a string such as ``"4GiB"`` / ``"512 MB"``, at most 1 EiB."""
+    number: Decimal | None = None
+    unit = ""
     if isinstance(value, bool):
-        raise ConfigError(f"kvstrata option {key!r}: expected a byte size, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, float) and value.is_integer():
-        size = int(value)
-    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        unit = (m.group(2) or "").lower()
+        pass
+    elif isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)):
+        number = Decimal(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.fullmatch(value)):
+        number, unit = Decimal(m.group(1)), m.group(2).lower()
         if unit not in _UNITS:
-            raise ConfigError(f"kvstrata option {key!r}: unknown size unit in {value!r}")
-        size = int(float(m.group(1)) * _UNITS[unit])
-    else:
+            raise ConfigError(f"kvstrata option {key!r}: unknown size unit in {_shown(value)}")
+    if number is None:
         raise ConfigError(
-            f"kvstrata option {key!r}: expected a byte size (int or e.g. '4GiB'), got {value!r}"
+            f"kvstrata option {key!r}: expected a byte size (int or e.g. '4GiB'), got {_shown(value)}"
         )
-    if size < 0:
-        raise ConfigError(f"kvstrata option {key!r}: must not be negative, got {value!r}")
-    return size
+    if number < 0:
+        raise ConfigError(f"kvstrata option {key!r}: must not be negative, got {_shown(value)}")
+    if number > Fraction(MAX_SIZE_BYTES, _UNITS[unit]):  # exact, before any arithmetic on it
+        raise ConfigError(
+            f"kvstrata option {key!r}: must be at most {MAX_SIZE_BYTES} bytes (1 EiB), got {_shown(value)}"
+        )
+    size = Fraction(number) * _UNITS[unit]  # exact: no float rounds "1.5GiB" or 2**53 + 1
+    if size.denominator != 1:
+        raise ConfigError(f"kvstrata option {key!r}: not a whole number of bytes: {_shown(value)}")
+    return int(size)
 
 
 @dataclass(frozen=True)
@@ -128,11 +144,18 @@ class StrataConfig:
         return bool(self.stream_loads)
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> StrataConfig:
-        extra = dict(extra or {})
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StrataConfig:
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ConfigError(
+                "kvstrata's kv_connector_extra_config must be a mapping of options, "
+                f"got {type(extra).__name__} {_shown(extra)}"
+            )
+        extra = dict(extra)
         known = {f.name for f in fields(cls)}
         # vLLM's own OffloadingConnector keys are not ours; say so rather than ignore them.
-        unknown = sorted(k for k in extra if k not in known)
+        unknown = sorted((k for k in extra if k not in known), key=str)
         if unknown:
             raise ConfigError(
                 f"unknown kvstrata option(s) {unknown}; known options: {sorted(known)}"
@@ -157,10 +180,33 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)`` for a message, cut short: a 5000-digit value is not echoed whole."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for repr (sys.get_int_max_str_digits)
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} chars)"
+
+
+def _expand_path(value: Any) -> Path:
+    """``value`` as a path with ``~`` expanded; ValueError (the reason) when it cannot be one."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"expected a directory path, got {_shown(value)}")
+    if "\0" in text:
+        raise ValueError(f"path contains a NUL byte: {_shown(text)}")
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # "~user" with no such user, or no home directory
+        raise ValueError(f"cannot expand '~' in {_shown(text)}") from None
+
+
 def _path(key: str, value: Any) -> Path:
-    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        raise ConfigError(f"kvstrata option {key!r}: expected a directory path, got {value!r}")
-    return Path(value).expanduser()
+    try:
+        return _expand_path(value)
+    except ValueError as exc:
+        raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -168,28 +214,30 @@ def _bool(key: str, value: Any) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
         return value.lower() in ("true", "1", "yes")
-    raise ConfigError(f"kvstrata option {key!r}: expected true or false, got {value!r}")
+    raise ConfigError(f"kvstrata option {key!r}: expected true or false, got {_shown(value)}")
 
 
-def _int_range(lo: int, hi: int | None = None):
+def _int_range(lo: int, hi: int) -> Callable[[str, Any], int]:
     def check(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-                value = int(value)
-            else:
-                raise ConfigError(f"kvstrata option {key!r}: expected an integer, got {value!r}")
-        if value < lo or (hi is not None and value > hi):
-            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ConfigError(f"kvstrata option {key!r}: must be {bound}, got {value!r}")
-        return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = Decimal(value)
+        elif isinstance(value, str) and _INT_RE.fullmatch(value):
+            number = Decimal(value)  # exact, and no limit on digits as int() has
+        else:
+            raise ConfigError(f"kvstrata option {key!r}: expected an integer, got {_shown(value)}")
+        if not lo <= number <= hi:
+            raise ConfigError(f"kvstrata option {key!r}: must be in [{lo}, {hi}], got {_shown(value)}")
+        return int(number)
 
     return check
 
 
-def _choice(*choices: str):
+def _choice(*choices: str) -> Callable[[str, Any], str]:
     def check(key: str, value: Any) -> str:
-        if value not in choices:
-            raise ConfigError(f"kvstrata option {key!r}: expected one of {list(choices)}, got {value!r}")
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(
+                f"kvstrata option {key!r}: expected one of {list(choices)}, got {_shown(value)}"
+            )
         return value
 
     return check
@@ -199,15 +247,29 @@ def _admission(key: str, value: Any) -> int:
     # "all" admits every chunk to disk; N admits a chunk once it was offered N times (SSD wear).
     if value == "all":
         return 1
-    return _int_range(1)(key, value)
+    return _admission_count(key, value)
+
+
+_admission_count = _int_range(1, 2**31 - 1)
 
 
 def _optional_seconds(key: str, value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"kvstrata option {key!r}: expected seconds > 0 or null, got {value!r}")
-    return float(value)
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond any float
+            seconds = math.inf
+    elif isinstance(value, str) and _SECONDS_RE.fullmatch(value):
+        seconds = float(value)  # "1e400" -> inf, "1e-400" -> 0.0: both refused below
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(
+            f"kvstrata option {key!r}: expected a positive finite number of seconds or null, "
+            f"got {_shown(value)}"
+        )
+    return seconds
 
 
 def _optional_path(key: str, value: Any) -> Path | None:

@@ -134,3 +134,95 @@ def test_warm_start_bytes_is_a_size_within_the_host_tier() -> None:
         StrataConfig.from_extra_config({"host_bytes": "1GiB", "warm_start_bytes": "2GiB"})
     with pytest.raises(ConfigError, match="warm_start_bytes"):
         StrataConfig.from_extra_config({"warm_start_bytes": "lots"})
+
+
+SIZE_KEYS = ("host_bytes", "disk_bytes", "max_disk_write_backlog_bytes", "warm_start_bytes")
+
+
+@pytest.mark.parametrize("key", SIZE_KEYS)
+@pytest.mark.parametrize(
+    "value",
+    ["1" * 400, "1" * 5000 + "GiB", 10**400, 1e300, "9" * 30 + "TiB", -1, "-1", "-1GiB", "1.5",
+     "0.1KiB", 1.5, "nan", "NaN", "Infinity", "-inf", float("nan"), float("inf"), True, False,
+     "²", "٤GiB", "4 GiBs", None, [4096]],
+)
+def test_bad_sizes_name_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}'") as err:
+        StrataConfig.from_extra_config({key: value})
+    assert len(str(err.value)) < 200  # a 5000-digit value is not echoed whole
+
+
+def test_sizes_are_exact_and_capped_at_one_exbibyte() -> None:
+    assert parse_size("host_bytes", "0.5KiB") == 512
+    assert parse_size("host_bytes", "9007199254740993") == 9007199254740993  # no float rounding
+    assert parse_size("host_bytes", 4096.0) == 4096
+    assert parse_size("disk_bytes", "1024TiB") == 1024 << 40
+    assert parse_size("disk_bytes", 1 << 60) == 1 << 60
+    with pytest.raises(ConfigError, match="'disk_bytes': must be at most"):
+        parse_size("disk_bytes", (1 << 60) + 1)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("io_threads", "²"), ("io_threads", "٤"), ("io_threads", "1" * 400), ("io_threads", "1" * 5000),
+     ("io_threads", 10**400), ("io_threads", "4.0"), ("io_threads", float("nan")),
+     ("blocks_per_chunk", "²"), ("blocks_per_chunk", "1" * 5000), ("zstd_level", "³"),
+     ("zstd_level", "-" + "1" * 5000), ("prefetch_concurrency", "٨"), ("admission", "²"),
+     ("admission", "1" * 5000), ("admission", True)],
+)
+def test_bad_integers_name_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}'") as err:
+        StrataConfig.from_extra_config({key: value})
+    assert len(str(err.value)) < 200
+
+
+def test_integers_take_ascii_digit_strings() -> None:
+    cfg = StrataConfig.from_extra_config(
+        {"io_threads": " 8 ", "zstd_level": "+3", "admission": "2", "prefetch_concurrency": 16}
+    )
+    assert (cfg.io_threads, cfg.zstd_level, cfg.admission, cfg.prefetch_concurrency) == (8, 3, 2, 16)
+
+
+@pytest.mark.parametrize("key", ["store_path", "host_shm_dir"])
+@pytest.mark.parametrize("value", ["~kvstrata-no-such-user-7f3a/x", "/tmp/a\x00b", Path("/tmp/a\x00b"), b"/tmp/x"])
+def test_bad_paths_name_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        StrataConfig.from_extra_config({key: value})
+
+
+def test_bad_store_env_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTRATA_STORE", "~kvstrata-no-such-user-7f3a/x")
+    with pytest.raises(ConfigError, match=r"\$KVSTRATA_STORE: cannot expand"):
+        StrataConfig.from_extra_config({})
+    # An explicit store_path does not need the environment's default.
+    assert StrataConfig.from_extra_config({"store_path": "/tmp/s"}).store_path == Path("/tmp/s")
+
+
+@pytest.mark.parametrize("extra", [["host_bytes"], [("host_bytes", 1 << 20)], "host_bytes", "", [], 3])
+def test_extra_config_must_be_a_mapping(extra: object) -> None:
+    with pytest.raises(ConfigError, match="kv_connector_extra_config must be a mapping"):
+        StrataConfig.from_extra_config(extra)  # type: ignore[arg-type]
+
+
+def test_non_string_keys_are_unknown_options() -> None:
+    with pytest.raises(ConfigError, match=r"unknown kvstrata option\(s\) \[1, 'x'\]"):
+        StrataConfig.from_extra_config({1: 2, "x": 3})
+
+
+@pytest.mark.parametrize("key", ["max_age_s", "python_switch_interval_s"])
+@pytest.mark.parametrize(
+    "value",
+    [float("nan"), float("inf"), float("-inf"), -1, 0, -0.5, "nan", "NaN", "Infinity", "inf", "-1",
+     "-1.5", "0", "1e400", 10**400, "1" * 5000, True, "²", "10s", [1]],
+)
+def test_bad_seconds_name_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}': expected a positive finite number of seconds") as err:
+        StrataConfig.from_extra_config({key: value})
+    assert len(str(err.value)) < 200
+
+
+def test_seconds_take_numbers_and_decimal_strings() -> None:
+    cfg = StrataConfig.from_extra_config({"max_age_s": "3600", "python_switch_interval_s": "5e-4"})
+    assert cfg.max_age_s == 3600.0 and cfg.python_switch_interval_s == 0.0005
+    cfg = StrataConfig.from_extra_config({"max_age_s": 0.25, "python_switch_interval_s": 1})
+    assert cfg.max_age_s == 0.25 and cfg.python_switch_interval_s == 1.0
