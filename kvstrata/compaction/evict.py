@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstrata.compaction.policy import Entry, RetentionPolicy
+from kvstrata.tiers.retention import Entry, RetentionPolicy
 
 if TYPE_CHECKING:
     from kvstrata.tiers.disk import DiskStore

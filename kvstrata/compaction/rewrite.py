@@ -32,7 +32,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvstrata.compaction import storeaccess as sa
+from kvstrata.tiers import records as rec
 
 _TMP_PREFIX = ".compact-"
 # The compacted copy needs room for the live pages; keep this much spare on top.
@@ -44,7 +44,7 @@ class StoreBusyError(Exception):
 
 
 class RewriteError(Exception):
-    """The compacted copy could not be made or did not check out; the store is unchanged."""
+    """The compacted copy could not be made or did not check out; the store file is as it was."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,27 @@ def busy_message(path: Path) -> str:
     )
 
 
+def read_only_reason(path: Path) -> str | None:
+    """Why the store at ``path`` cannot be changed (a read-only file system, no write
+    permission), or None."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return f"store at {path} is on a read-only file system"
+    except OSError as exc:
+        return f"cannot inspect the file system of {path}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK) or not os.access(path / rec.DATA_FILE, os.W_OK):
+        return f"store at {path} is not writable by this user"
+    return None
+
+
 @contextlib.contextmanager
 def exclusive(path: Path) -> Iterator[None]:
     """Hold the store's lock file exclusively, or raise :class:`StoreBusyError` at once."""
     try:
-        fd = os.open(path / sa.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path / rec.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise RewriteError(f"cannot open the lock file of {path}: {exc.strerror or exc}") from exc
+        raise RewriteError(read_only_reason(path) or
+                           f"cannot open the lock file of {path}: {exc.strerror or exc}") from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,7 +119,7 @@ def _census(path: Path) -> _Census:
         pages = 2  # the two meta pages
         entries: dict[bytes, int] = {}
         with env.begin() as txn:
-            for name in (None, *sa.DB_NAMES):
+            for name in (None, *rec.DB_NAMES):
                 st = txn.stat(env.open_db(name, txn=txn, create=False))
                 pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
                 if name is not None:
@@ -130,7 +144,7 @@ def remove_stale_temporaries(path: Path) -> None:
 
 def rewrite_locked(path: Path) -> RewriteResult:
     """Compact ``path``'s LMDB file in place. The caller holds :func:`exclusive`."""
-    data = path / sa.DATA_FILE
+    data = path / rec.DATA_FILE
     before = data.stat().st_size
     remove_stale_temporaries(path)
     try:
@@ -142,7 +156,7 @@ def rewrite_locked(path: Path) -> RewriteResult:
         raise RewriteError(
             f"not enough free disk space next to {path} for the compacted copy "
             f"({census.live_bytes + _SPACE_MARGIN} bytes needed, {free} free); "
-            "the store is unchanged"
+            "the store file was not rewritten"
         )
     tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=path))
     try:
@@ -151,22 +165,22 @@ def rewrite_locked(path: Path) -> RewriteResult:
             env.copy(str(tmp), compact=True)
         except lmdb.Error as exc:
             raise RewriteError(
-                f"compacted copy of {path} failed: {exc}; the store is unchanged"
+                f"compacted copy of {path} failed: {exc}; the store file was not rewritten"
             ) from exc
         finally:
             env.close()
-        copy = tmp / sa.DATA_FILE
+        copy = tmp / rec.DATA_FILE
         got = _census(tmp).entries
         if got != census.entries:
             raise RewriteError(
                 f"compacted copy of {path} does not match the original ({got} != "
-                f"{census.entries}); the store is unchanged"
+                f"{census.entries}); the store file was not rewritten"
             )
         os.chmod(copy, stat.S_IMODE(data.stat().st_mode))
         _fsync_path(copy)
         # Old reader table first, then the file: no opener can pair the new file with it.
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path / sa.LMDB_LOCK_FILE)
+            os.unlink(path / rec.LMDB_LOCK_FILE)
         os.replace(copy, data)
         _fsync_path(path, directory=True)
     finally:

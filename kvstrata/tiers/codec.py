@@ -8,12 +8,16 @@ one plane. When no plane pays, the frame is a plain copy (codec RAW).
 
 Frame layout (little-endian)::
 
-    magic "KVSF" | version u8 | codec u8 | dtype u8 | nplanes u8 | raw_len u64 | xxh3-64(raw) u64
+    magic "KVSF" | version u8 | codec u8 | dtype u8 | nplanes u8 | raw_len u64 | checksum u64
     nplanes x (method u8, stored_len u64)
     plane payloads, in plane order
 
-Every decode ends by checking xxh3-64 of the bytes it wrote, so a torn, flipped or mislabelled
-frame raises :class:`CorruptRecord` and is never served as data.
+The checksum is xxh3-64 of the raw bytes seeded with xxh3-64 of the frame's *key* (the store key
+it is written under; version 2): a frame is bound to its key, so a read that lands on another
+key's frame (a damaged page number in the store's B-tree, a spliced archive) fails its check
+instead of serving well-formed, wrong KV. Version 1 frames (unseeded) still read. Every decode
+ends by checking the checksum of the bytes it wrote, so a torn, flipped, mislabelled or
+misplaced frame raises :class:`CorruptRecord` and is never served as data.
 
 zstd "level 1" here is level 1 with its match finder detuned for float planes (tiny hash table,
 minimum match 7): float planes have few long matches, and level 1's default search spends most
@@ -48,10 +52,12 @@ __all__ = [
     "encode",
     "frame_info",
     "itemsize",
+    "key_seed",
 ]
 
 MAGIC = b"KVSF"
-VERSION = 1
+VERSION = 2  # 2: checksum seeded with the key's digest; 1: unseeded (still read)
+_VERSIONS = (1, 2)
 
 CODEC_RAW = 0  # one plane, the raw bytes
 CODEC_PLANES = 1  # nplanes byte planes, each raw or zstd
@@ -207,15 +213,22 @@ def _worth_trying(plane: np.ndarray) -> bool:
     return bits < _RAW_ENTROPY_BITS
 
 
+def key_seed(key: bytes) -> int:
+    """The checksum seed that binds a frame to ``key`` (0 for an unbound frame)."""
+    return xxhash.xxh3_64_intdigest(key) if key else 0
+
+
 def _raw_frame(view: memoryview, code: int, checksum: int) -> bytes:
     n = len(view)
     header = _HEADER.pack(MAGIC, VERSION, CODEC_RAW, code, 1, n, checksum)
     return b"".join((header, _PLANE.pack(PLANE_RAW, n), view))
 
 
-def encode(data: Buffer, dtype: str, *, level: int = 1, mode: Mode = "auto") -> bytes:
-    """Frame ``data`` (raw bytes of ``dtype`` elements); see the module docstring.
+def encode(data: Buffer, dtype: str, *, key: bytes = b"", level: int = 1,
+           mode: Mode = "auto") -> bytes:
+    """Frame ``data`` (raw bytes of ``dtype`` elements) for ``key``; see the module docstring.
 
+    ``key``: the store key the frame will live under; decoding must name the same key.
     ``mode="raw"`` stores the bytes as they are (checksummed and framed); ``"auto"`` splits
     byte planes and zstd-codes the planes that pay, falling back to raw when none does.
     """
@@ -226,7 +239,7 @@ def encode(data: Buffer, dtype: str, *, level: int = 1, mode: Mode = "auto") -> 
     n = len(view)
     if n % size:
         raise ValueError(f"{n} bytes is not a whole number of {dtype} elements")
-    checksum = xxhash.xxh3_64_intdigest(view)
+    checksum = xxhash.xxh3_64_intdigest(view, seed=key_seed(key))
     if mode == "raw" or n == 0:
         return _raw_frame(view, code, checksum)
 
@@ -269,8 +282,8 @@ def frame_info(frame: Buffer) -> FrameInfo:
     magic, version, codec, code, nplanes, raw_len, checksum = _HEADER.unpack_from(view, 0)
     if magic != MAGIC:
         raise CorruptRecord(f"bad magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise CorruptRecord(f"frame version {version}, this build reads {VERSION}")
+    if version not in _VERSIONS:
+        raise CorruptRecord(f"frame version {version}, this build reads {_VERSIONS}")
     if code not in _DTYPE_BY_CODE:
         raise CorruptRecord(f"unknown dtype code {code}")
     name, size = _DTYPE_BY_CODE[code]
@@ -338,13 +351,17 @@ def scratch(nbytes: int) -> bytearray:
     return _tls.sink
 
 
-def decode_into(frame: Buffer, out: Buffer) -> int:
-    """Decode ``frame`` into the writable buffer ``out``; returns the bytes written.
+def decode_into(frame: Buffer, out: Buffer, *, key: bytes = b"",
+                info: FrameInfo | None = None) -> int:
+    """Decode ``frame``, read under ``key``, into the writable buffer ``out``; returns the bytes
+    written.
 
-    Raises CorruptRecord on any mismatch (``out`` may then hold garbage: do not use it), and
-    ValueError when ``out`` is too small for the frame's raw length.
+    Raises CorruptRecord on any mismatch — including a version-2 frame written for another key
+    (``out`` may then hold garbage: do not use it) — and ValueError when ``out`` is too small
+    for the frame's raw length. ``info``: the frame's header, when the caller parsed it already.
     """
-    info = frame_info(frame)
+    if info is None:
+        info = frame_info(frame)
     view = memoryview(frame).cast("B")
     dst_view = memoryview(out).cast("B")
     if dst_view.readonly:
@@ -371,14 +388,16 @@ def decode_into(frame: Buffer, out: Buffer) -> int:
             dst[:] = planes[0]
         else:
             _join_planes(planes, size, dst)
-    if xxhash.xxh3_64_intdigest(dst_view[:n]) != info.checksum:
-        raise CorruptRecord("checksum mismatch")
+    seed = key_seed(key) if info.version >= 2 else 0
+    if xxhash.xxh3_64_intdigest(dst_view[:n], seed=seed) != info.checksum:
+        raise CorruptRecord("checksum mismatch" if info.version < 2 else
+                            "checksum mismatch (corrupt, or another key's frame)")
     return n
 
 
-def decode(frame: Buffer) -> bytes:
-    """Decode ``frame`` into new bytes (convenience; tiers use :func:`decode_into`)."""
+def decode(frame: Buffer, *, key: bytes = b"") -> bytes:
+    """Decode ``frame`` read under ``key`` into new bytes (tiers use :func:`decode_into`)."""
     info = frame_info(frame)
     out = bytearray(info.raw_len)
-    decode_into(frame, out)
+    decode_into(frame, out, key=key, info=info)
     return bytes(out)

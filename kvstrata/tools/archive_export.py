@@ -20,18 +20,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import lmdb
-import msgspec
 
-from kvstrata.compaction import checks
-from kvstrata.compaction import storeaccess as sa
-from kvstrata.compaction import toolsupport as ts
 from kvstrata.compaction.archive import ArchiveWriter
 from kvstrata.tiers import codec
+from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import FORMAT_VERSION, DiskStore
+from kvstrata.tools import support as ts
 from kvstrata.tools.cli import CLIError
 
 _BATCH = 8  # records per read transaction (and per verification task)
-
 
 
 class _Sound(NamedTuple):
@@ -59,37 +56,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_batch(store: DiskStore, keys: list[bytes]) -> list[_Sound | _Bad]:
-    def body(txn: lmdb.Transaction, h: sa.Handles) -> list[_Sound | _Bad]:
+    def body(txn: lmdb.Transaction, h: rec.Handles) -> list[_Sound | _Bad]:
         out: list[_Sound | _Bad] = []
         for key in keys:
-            value = txn.get(key, db=h.index)
-            payload = txn.get(key, db=h.payload)
-            if value is None:
+            present, problem = rec.check(txn, h, key)
+            if not present:
                 continue  # evicted since the scan
-            try:
-                rec = sa.decode_index(value)
-            except msgspec.DecodeError:
-                out.append(_Bad(key, checks.INDEX_UNREADABLE))
-                continue
-            if payload is None:
-                out.append(_Bad(key, checks.PAYLOAD_MISSING))
-                continue
-            problem = checks.check_frame(rec, key, payload)
             if problem is not None:
                 out.append(_Bad(key, problem))
-            else:
-                # One copy out of the map: the transaction must end before the file write.
-                out.append(_Sound(key, rec.tick, bytes(payload), rec.raw_len))
+                continue
+            found = rec.decode_index(txn.get(key, db=h.index))
+            assert found is not None  # checked above, same transaction
+            # One copy out of the map: the transaction must end before the file write.
+            out.append(_Sound(key, found.tick, bytes(txn.get(key, db=h.payload)), found.raw_len))
         return out
 
-    return sa.read(store, body, buffers=True)
+    return store.read(body, buffers=True)
 
 
 def _records(store: DiskStore, prefix: bytes, threads: int) -> Iterator[_Sound | _Bad]:
     """Every record under ``prefix`` in key order, verified on ``threads`` threads."""
     window: deque[Future[list[_Sound | _Bad]]] = deque()
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvstrata-export") as pool:
-        for batch in sa.scan(store, db="index", prefix=prefix, values=False):
+        for batch in store.scan("index", prefix=prefix, values=False):
             keys = [key for key, _ in batch]
             for i in range(0, len(keys), _BATCH):
                 window.append(pool.submit(_read_batch, store, keys[i : i + _BATCH]))
@@ -102,11 +91,11 @@ def _records(store: DiskStore, prefix: bytes, threads: int) -> Iterator[_Sound |
 
 def _count(store: DiskStore, prefix: bytes) -> tuple[int, int]:
     chunks = stored = 0
-    for batch in sa.scan(store, db="index", prefix=prefix):
+    for batch in store.scan("index", prefix=prefix):
         for _, value in batch:
+            found = rec.decode_index(value)
             chunks += 1
-            with contextlib.suppress(msgspec.DecodeError):
-                stored += sa.decode_index(value).stored_len
+            stored += found.stored_len if found is not None else 0
     return chunks, stored
 
 

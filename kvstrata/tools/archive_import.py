@@ -31,18 +31,17 @@ from pathlib import Path
 from typing import IO, Any
 
 import lmdb
-import msgspec
 
-from kvstrata.compaction import storeaccess as sa
-from kvstrata.compaction import toolsupport as ts
 from kvstrata.compaction.archive import ArchiveError, ArchiveReader, ArchiveRecord, peek_summary
-from kvstrata.compaction.policy import RetentionPolicy
 from kvstrata.connector.config import DEFAULT_DISK_BYTES
 from kvstrata.tiers import codec
-from kvstrata.tiers.disk import DiskStore, IndexRecord, StoreUnavailableError
+from kvstrata.tiers import records as rec
+from kvstrata.tiers.disk import DiskStore, StoreUnavailableError
+from kvstrata.tiers.retention import RetentionPolicy
+from kvstrata.tools import support as ts
 from kvstrata.tools.cli import CLIError
 
-# Payload write transactions: one per large frame, small ones batched (storage-facts §4.1).
+# Payload write transactions: one per large frame, small ones batched (docs/STORAGE.md).
 _LARGE = 256 << 10
 _BATCH_RECORDS = 64
 
@@ -68,9 +67,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(f: IO[bytes], bar: Any) -> ArchiveReader:
+    """Every record's frame decodes under its own key (frames are bound to their store key: a
+    record spliced under another key fails here), and the archive's digests check out."""
     reader = ArchiveReader(f)
-    for rec in reader.records():
-        bar.update(rec.frame_len)
+    for record in reader.records():
+        assert record.frame is not None
+        try:
+            codec.decode_into(record.frame, codec.scratch(codec.frame_info(record.frame).raw_len),
+                              key=record.key)
+        except codec.CorruptRecord as exc:
+            raise ArchiveError(f"record {record.number}: its payload does not decode under its key "
+                               f"({exc})") from None
+        bar.update(record.frame_len)
     return reader
 
 
@@ -78,17 +86,17 @@ def _verify(f: IO[bytes], bar: Any) -> ArchiveReader:
 
 
 def _put_payloads(store: DiskStore, batch: list[ArchiveRecord]) -> int:
-    def body(txn: lmdb.Transaction, h: sa.Handles) -> int:
+    def body(txn: lmdb.Transaction, h: rec.Handles) -> int:
         written = 0
-        for rec in batch:
+        for record in batch:
             # Checked inside the write transaction: a record stored meanwhile by a server keeps
             # its own payload, which its index record describes.
-            if txn.get(rec.key, db=h.index) is None:
-                txn.put(rec.key, rec.frame, db=h.payload)
+            if txn.get(record.key, db=h.index) is None:
+                txn.put(record.key, record.frame, db=h.payload)
                 written += 1
         return written
 
-    return sa.write(store, body)
+    return store.write(body)
 
 
 def _write_payloads(store: DiskStore, f: IO[bytes], bar: Any) -> int:
@@ -96,9 +104,9 @@ def _write_payloads(store: DiskStore, f: IO[bytes], bar: Any) -> int:
     written = 0
     batch: list[ArchiveRecord] = []
     size = 0
-    for rec in reader.records():
-        batch.append(rec)
-        size += rec.frame_len
+    for record in reader.records():
+        batch.append(record)
+        size += record.frame_len
         if size >= _LARGE or len(batch) >= _BATCH_RECORDS:
             written += _put_payloads(store, batch)
             bar.update(size)
@@ -114,20 +122,20 @@ def _write_payloads(store: DiskStore, f: IO[bytes], bar: Any) -> int:
 
 
 def _evict_over_budget(
-    txn: lmdb.Transaction, h: sa.Handles, totals: sa.Totals, budget: int, now_us: int
+    txn: lmdb.Transaction, h: rec.Handles, totals: rec.Totals, budget: int, now_us: int
 ) -> int:
     if totals.stored_bytes <= budget:
         return 0
     entries = []
     for key, value in txn.cursor(db=h.index):
-        with contextlib.suppress(msgspec.DecodeError):
-            rec = sa.decode_index(value)
-            entries.append((bytes(key), rec.tick, rec.stored_len))
+        found = rec.decode_index(value)
+        if found is not None:
+            entries.append((bytes(key), found.tick, found.stored_len))
     victims = RetentionPolicy(budget_bytes=budget).victims(
         entries, stored_bytes=totals.stored_bytes, now_us=now_us
     )
     for key in victims:
-        sa.delete_record(txn, h, key, totals)
+        rec.delete(txn, h, key, totals)
     return len(victims)
 
 
@@ -139,35 +147,27 @@ def _commit(
     shift = max(0, now_us - created_us) if isinstance(created_us, int) else 0
     namespaces = reader.manifest.get("namespaces") or {}
 
-    def body(txn: lmdb.Transaction, h: sa.Handles) -> tuple[int, int, int]:
-        totals = sa.read_totals(txn, h)
+    def body(txn: lmdb.Transaction, h: rec.Handles) -> tuple[int, int, int]:
+        totals = rec.current_totals(txn, h)
         added = present = 0
-        for rec in reader.records(frames=False):
-            if txn.get(rec.key, db=h.index) is not None:
+        for record in reader.records(frames=False):
+            if txn.get(record.key, db=h.index) is not None:
                 present += 1
                 continue
-            frame = txn.get(rec.key, db=h.payload)
-            if frame is None or len(frame) != rec.frame_len:
-                raise _Vanished(f"record {rec.number}'s payload vanished before the commit")
-            info = codec.frame_info(frame)
-            index = IndexRecord(
-                raw_len=info.raw_len,
-                stored_len=rec.frame_len,
-                codec=info.codec,
-                checksum=info.checksum,
-                tick=min(now_us, rec.tick + shift),
-                group=sa.group_of(rec.key),
-                dtype=info.dtype,
-            )
-            sa.put_record(txn, h, rec.key, index, totals)
+            frame = txn.get(record.key, db=h.payload)
+            if frame is None or len(frame) != record.frame_len:
+                raise _Vanished(f"record {record.number}'s payload vanished before the commit")
+            index = rec.index_record(record.key, codec.frame_info(frame), record.frame_len,
+                                     min(now_us, record.tick + shift))
+            rec.index_only(txn, h, record.key, index, totals)
             added += 1
         for ns_hex, info_dict in namespaces.items():
-            sa.register_namespace(txn, h, bytes.fromhex(ns_hex), info_dict)
+            rec.register_namespace(txn, h, bytes.fromhex(ns_hex), info_dict, overwrite=False)
         evicted = _evict_over_budget(txn, h, totals, budget, now_us)
-        sa.write_totals(txn, h, totals)
+        rec.write_totals(txn, h, totals)
         return added, present, evicted
 
-    added, present, evicted = sa.write(store, body, buffers=True)
+    added, present, evicted = store.write(body, buffers=True)
     return added, present, evicted, sorted(namespaces)
 
 
@@ -181,19 +181,19 @@ def _rollback(store: DiskStore, f: IO[bytes]) -> None:
         reader = ArchiveReader(f)
         keys: list[bytes] = []
 
-        def body(txn: lmdb.Transaction, h: sa.Handles) -> None:
+        def body(txn: lmdb.Transaction, h: rec.Handles) -> None:
             for key in keys:
                 if txn.get(key, db=h.index) is None:
                     txn.delete(key, db=h.payload)
 
         with contextlib.suppress(ArchiveError):  # a corrupt tail was never written
-            for rec in reader.records(frames=False):
-                keys.append(rec.key)
+            for record in reader.records(frames=False):
+                keys.append(record.key)
                 if len(keys) >= 1024:
-                    sa.write(store, body)
+                    store.write(body)
                     keys.clear()
         if keys:
-            sa.write(store, body)
+            store.write(body)
     except Exception as exc:  # the import already failed; say what is left behind
         ts.warn("import", f"could not remove the partial payloads ({exc}); "
                 f"`kvstrata verify --repair {store.path}` drops them")

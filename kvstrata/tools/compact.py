@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.compaction import rewrite
-from kvstrata.compaction import toolsupport as ts
 from kvstrata.compaction.evict import EvictionResult, evict
-from kvstrata.compaction.policy import RetentionPolicy
+from kvstrata.tiers.retention import RetentionPolicy
+from kvstrata.tools import support as ts
 from kvstrata.tools.cli import CLIError
 
 
@@ -59,7 +59,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path: Path = args.dir
     ts.check_store_dir(path)
     policy = RetentionPolicy(budget_bytes=args.budget, max_age_s=args.max_age)
-    if not args.no_rewrite and rewrite.is_busy(path):
+    reason = rewrite.read_only_reason(path)
+    if reason is not None:
+        raise CLIError(f"{reason}: compact cannot change it; nothing was changed")
+    try:
+        busy = not args.no_rewrite and rewrite.is_busy(path)
+    except rewrite.RewriteError as exc:
+        raise CLIError(f"{exc}; nothing was changed") from None
+    if busy:
         # Refuse before changing anything: the rewrite could not run anyway.
         raise CLIError(rewrite.busy_message(path))
     file_before = (path / "data.mdb").stat().st_size
@@ -88,7 +95,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "once it has closed the store"
         ) from None
     except rewrite.RewriteError as exc:
-        raise CLIError(f"evicted {result.evicted} chunks, but {exc}") from None
+        raise CLIError(
+            f"evicted {result.evicted} chunks ({result.freed_bytes} stored bytes; they are gone), "
+            f"but the file could not be rewritten to give the space back: {exc}") from None
     report["file_bytes_after"] = done.file_bytes_after
     report["reclaimed_file_bytes"] = done.reclaimed_bytes
     report["shrink_ratio"] = round(file_before / done.file_bytes_after, 3) if done.file_bytes_after else None

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from kvstrata.compaction import storeaccess as sa
-from kvstrata.compaction import toolsupport as ts
 from kvstrata.connector.config import DEFAULT_DISK_BYTES
+from kvstrata.tiers import records as rec
+from kvstrata.tiers.disk import DiskStore
+from kvstrata.tools import support as ts
 
 # (label, upper bound in seconds since last access)
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
@@ -75,49 +74,53 @@ def _bucket(age_s: float) -> int:
     return len(AGE_BUCKETS) - 1
 
 
-def _scan(store: Any, now_us: int) -> _Scan:
+def _scan(store: DiskStore, now_us: int) -> _Scan:
     out = _Scan()
     with ts.progress(int(store.stats()["entries"]), "reading the index") as bar:
-        for batch in sa.scan(store, db="index"):
+        for batch in store.scan("index"):
             for key, value in batch:
-                try:
-                    rec = sa.decode_index(value)
-                except msgspec.DecodeError:
+                found = rec.decode_index(value)
+                if found is None:
                     out.unreadable += 1
                     continue
-                ns = out.namespaces.setdefault(key[: sa.NAMESPACE_BYTES], _NsStats())
+                ns = out.namespaces.setdefault(key[: rec.NAMESPACE_BYTES], _NsStats())
                 ns.chunks += 1
-                ns.raw_bytes += rec.raw_len
-                ns.stored_bytes += rec.stored_len
-                ns.groups[rec.group] += 1
-                ns.dtypes[rec.dtype] += 1
-                slot = out.ages[_bucket(max(0, now_us - rec.tick) / 1e6)]
+                ns.raw_bytes += found.raw_len
+                ns.stored_bytes += found.stored_len
+                ns.groups[found.group] += 1
+                ns.dtypes[found.dtype] += 1
+                slot = out.ages[_bucket(max(0, now_us - found.tick) / 1e6)]
                 slot[0] += 1
-                slot[1] += rec.stored_len
-                out.oldest_tick = rec.tick if out.oldest_tick is None else min(out.oldest_tick, rec.tick)
-                out.newest_tick = rec.tick if out.newest_tick is None else max(out.newest_tick, rec.tick)
+                slot[1] += found.stored_len
+                out.oldest_tick = found.tick if out.oldest_tick is None else min(out.oldest_tick, found.tick)
+                out.newest_tick = found.tick if out.newest_tick is None else max(out.newest_tick, found.tick)
             bar.update(len(batch))
     return out
 
 
-def _file_census(store: Any) -> dict[str, int]:
+def _file_census(store: DiskStore) -> dict[str, int]:
     """File size, the bytes its live pages take, and the difference (free pages)."""
-
-    def body(txn: Any, h: sa.Handles) -> int:
-        pages = 2
-        for db in (h.payload, h.index, h.meta):
-            st = txn.stat(db)
-            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-        main = h.env.stat()
-        pages += main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]
-        return pages * main["psize"]
-
-    live = sa.read(store, body)
+    live = store.read(rec.live_bytes)
     try:
-        file_bytes = (store.path / sa.DATA_FILE).stat().st_size
+        file_bytes = (store.path / rec.DATA_FILE).stat().st_size
     except OSError:
         file_bytes = 0
     return {"file_bytes": file_bytes, "live_bytes": live, "reclaimable_bytes": max(0, file_bytes - live)}
+
+
+def _store_state(txn: Any, h: rec.Handles) -> dict[str, Any]:
+    """Format, shutdown marker, namespaces and whether the running totals agree with the index,
+    read in one transaction (so that a live writer cannot make them disagree)."""
+    totals = rec.read_totals(txn, h)
+    registered, bad_namespaces = rec.namespaces(txn, h)
+    return {
+        "format": txn.get(rec.META_FORMAT, db=h.meta),
+        "clean": txn.get(rec.META_CLEAN, db=h.meta),
+        "totals_readable": totals is not None,
+        "totals_consistent": totals is not None and totals == rec.recount(txn, h)[0],
+        "registered": registered,
+        "bad_namespaces": bad_namespaces,
+    }
 
 
 def _namespace_row(ns: bytes, info: dict[str, Any] | None, st: _NsStats) -> dict[str, Any]:
@@ -147,14 +150,12 @@ def inspect_store(path: Path, budget_bytes: int | None) -> dict[str, Any]:
     store = ts.open_store(path, readonly=True)
     try:
         now_us = time.time_ns() // 1000
-        fmt = sa.meta_get(store, sa.META_FORMAT)
-        clean = sa.meta_get(store, sa.META_CLEAN)
-        totals = sa.read(store, sa.read_totals)
-        registered = store.namespaces()
+        state = store.read(_store_state)
         scan = _scan(store, now_us)
         census = _file_census(store)
     finally:
         store.close()
+    fmt, clean, registered = state["format"], state["clean"], state["registered"]
     chunks = sum(s.chunks for s in scan.namespaces.values())
     raw = sum(s.raw_bytes for s in scan.namespaces.values())
     stored = sum(s.stored_bytes for s in scan.namespaces.values())
@@ -172,7 +173,7 @@ def inspect_store(path: Path, budget_bytes: int | None) -> dict[str, Any]:
         )
     return {
         "path": str(path),
-        "format_version": int(fmt) if fmt and fmt.isdigit() else (fmt.decode(errors="replace") if fmt else None),
+        "format_version": int(fmt) if fmt and bytes(fmt).isdigit() else (bytes(fmt).decode(errors="replace") if fmt else None),
         "clean_shutdown": None if clean is None else clean == b"1",
         **census,
         "chunks": chunks,
@@ -182,8 +183,10 @@ def inspect_store(path: Path, budget_bytes: int | None) -> dict[str, Any]:
         "budget_bytes": budget,
         "budget_assumed": budget_bytes is None,
         "budget_use": round(stored / budget, 6) if budget else None,
-        "totals_consistent": (totals.entries, totals.raw_bytes, totals.stored_bytes) == (chunks, raw, stored),
+        "totals_readable": state["totals_readable"],
+        "totals_consistent": state["totals_consistent"],
         "unreadable_index_records": scan.unreadable,
+        "unreadable_namespace_entries": [ns.hex() for ns in state["bad_namespaces"]],
         "oldest_access_age_s": None if scan.oldest_tick is None else round((now_us - scan.oldest_tick) / 1e6, 3),
         "newest_access_age_s": None if scan.newest_tick is None else round((now_us - scan.newest_tick) / 1e6, 3),
         "namespaces": rows,
@@ -220,8 +223,13 @@ def _print_report(r: dict[str, Any]) -> None:
     print(f"chunks      {r['chunks']}: {hb(r['raw_bytes'])} raw, {hb(r['stored_bytes'])} stored, ratio {ratio}")
     assumed = " (the connector's default budget; pass --budget)" if r["budget_assumed"] else ""
     print(f"budget      {hb(r['stored_bytes'])} of {hb(r['budget_bytes'])} ({100 * r['budget_use']:.1f}%){assumed}")
-    if not r["totals_consistent"]:
+    if not r["totals_readable"]:
+        print("totals      the store's running totals are unreadable: `kvstrata verify --repair` rewrites them")
+    elif not r["totals_consistent"]:
         print("totals      the store's running totals differ from its index: run `kvstrata verify`")
+    if r["unreadable_namespace_entries"]:
+        print(f"damaged     {len(r['unreadable_namespace_entries'])} unreadable namespace entries: "
+              "run `kvstrata verify --repair`")
     if r["unreadable_index_records"]:
         print(f"damaged     {r['unreadable_index_records']} unreadable index records: run `kvstrata verify`")
     print("namespaces")

@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvstrata.compaction import storeaccess as sa
-from kvstrata.compaction import toolsupport as ts
+from kvstrata.tiers import records as rec
+from kvstrata.tools import support as ts
 
 _DELETE_BATCH = 256
 
@@ -34,12 +34,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         removed = 0
         with ts.progress(None, "purging") as bar:
             # Collect a batch, then delete it: deleting under an open scan would skip keys.
-            for batch in sa.scan(store, db="index", prefix=ns, values=False):
+            for batch in store.scan("index", prefix=ns, values=False):
                 keys = [key for key, _ in batch]
                 for i in range(0, len(keys), _DELETE_BATCH):
                     removed += store.delete_many(keys[i : i + _DELETE_BATCH])
                     bar.update(min(_DELETE_BATCH, len(keys) - i))
-        unregistered = sa.write(store, lambda txn, h: sa.unregister_namespace(txn, h, ns))
+        unregistered = store.write(lambda txn, h: rec.unregister_namespace(txn, h, ns))
         store.sync()
         after = store.stats()
     finally:

@@ -1,13 +1,16 @@
 """``kvstrata verify DIR [--repair]``: prove a store sound, or say exactly what is not.
 
-Every indexed record is read and checked: its index record decodes, its payload exists and has
-the indexed size, the frame header matches the index record, and the payload decompresses to
-bytes with the recorded xxh3-64 checksum. Payloads without an index record are found too, and the
-store's running totals are compared with a recount of the index.
+Every indexed record is read and checked (``kvstrata.tiers.records.check``): its index record
+decodes, its payload exists and has the indexed size, the frame header matches the index record,
+and the payload decompresses to bytes with the recorded checksum, bound to the record's key.
+Payloads without an index record, entries whose keys are damaged (a scan finds them, a lookup by
+key does not), unreadable namespace entries and the store's running totals are checked too.
 
 ``--repair`` re-checks each bad record inside one write transaction (it may have been rewritten
-or dropped since) and deletes only those still bad; the totals are recounted when they were off.
-Nothing else changes. Both modes are safe while servers use the store.
+or dropped since) and deletes only those still bad; entries a lookup cannot reach are deleted
+where a scan finds them; unreadable namespace entries are removed (their records stay, shown
+as unregistered); the totals, derived data, are recounted. A second ``verify`` then says sound.
+Both modes are safe while servers use the store.
 
 Exit status: 0 sound (or repaired), 1 bad records found and left in place, 2 usage error.
 """
@@ -25,51 +28,60 @@ from typing import Any
 
 import lmdb
 
-from kvstrata.compaction import checks
-from kvstrata.compaction import storeaccess as sa
-from kvstrata.compaction import toolsupport as ts
+from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
+from kvstrata.tools import support as ts
 
 # Records decoded per read transaction: short enough that a concurrent writer's freed pages are
-# not pinned for long (storage-facts §5), long enough to amortise the transaction.
+# not pinned for long (docs/STORAGE.md), long enough to amortise the transaction.
 _CHECK_BATCH = 16
+UNREACHABLE = "entry unreachable by its key (the key bytes are damaged)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, metavar="DIR", help="store directory")
     parser.add_argument("--repair", action="store_true", help="drop the bad records (and only those)")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=min(4, os.cpu_count() or 1),
-        metavar="N",
-        help="decompression threads (default: up to 4)",
-    )
-    parser.add_argument(
-        "--show", type=int, default=100, metavar="N", help="bad records listed in the report (default 100)"
-    )
+    parser.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
+                        help="decompression threads (default: up to 4)")
+    parser.add_argument("--show", type=int, default=100, metavar="N",
+                        help="bad records listed in the report (default 100)")
 
 
 @dataclass
 class Findings:
     checked: int = 0
     bad: list[tuple[bytes, str]] = field(default_factory=list)
+    totals_readable: bool = True
     totals_consistent: bool = True
     unreadable_index: int = 0
+    bad_namespaces: list[bytes] = field(default_factory=list)
+
+    @property
+    def sound(self) -> bool:
+        return not self.bad and self.totals_consistent and not self.bad_namespaces
 
 
 def _check_batch(store: DiskStore, keys: list[bytes]) -> list[tuple[bytes, bool, str | None]]:
-    def body(txn: lmdb.Transaction, h: sa.Handles) -> list[tuple[bytes, bool, str | None]]:
-        return [(key, *checks.check_key(txn, h, key)) for key in keys]
+    def body(txn: lmdb.Transaction, h: rec.Handles) -> list[tuple[bytes, bool, str | None]]:
+        return [(key, *rec.check(txn, h, key)) for key in keys]
 
-    return sa.read(store, body, buffers=True)
+    return store.read(body, buffers=True)
 
 
 def _index_batches(store: DiskStore) -> Iterator[list[bytes]]:
-    for batch in sa.scan(store, db="index", values=False):
+    for batch in store.scan("index", values=False):
         keys = [key for key, _ in batch]
         for i in range(0, len(keys), _CHECK_BATCH):
             yield keys[i : i + _CHECK_BATCH]
+
+
+def _unreachable(store: DiskStore, keys: list[bytes]) -> list[bytes]:
+    """Those of ``keys`` (found by a scan) that a lookup by key does not find: damaged keys."""
+    def body(txn: lmdb.Transaction, h: rec.Handles) -> list[bytes]:
+        index, payload = txn.cursor(db=h.index), txn.cursor(db=h.payload)
+        return [k for k in keys if not index.set_key(k) and not payload.set_key(k)]
+
+    return store.read(body)
 
 
 def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
@@ -77,10 +89,16 @@ def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
     window: deque[Future[list[tuple[bytes, bool, str | None]]]] = deque()
 
     def drain(bar: Any) -> None:
-        for key, present, problem in window.popleft().result():
-            found.checked += int(present)
-            if problem is not None:
+        results = window.popleft().result()
+        gone = [key for key, present, _ in results if not present]
+        unreachable = set(_unreachable(store, gone)) if gone else set()
+        for key, present, problem in results:
+            found.checked += int(present or key in unreachable)
+            if key in unreachable:
+                found.bad.append((key, UNREACHABLE))
+            elif problem is not None:
                 found.bad.append((key, problem))
+                found.unreadable_index += problem == rec.INDEX_UNREADABLE
             bar.update(1)
 
     with (
@@ -96,23 +114,19 @@ def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
 
 
 def _check_orphans(store: DiskStore, found: Findings) -> None:
-    for batch in sa.scan(store, db="payload", values=False):
+    listed = {key for key, _ in found.bad}
+    for batch in store.scan("payload", values=False):
         keys = [key for key, _ in batch]
-
-        def body(txn: lmdb.Transaction, h: sa.Handles, keys: list[bytes] = keys) -> list[bytes]:
-            index, payload = txn.cursor(db=h.index), txn.cursor(db=h.payload)
-            # Re-read both in one transaction: a put writes payload and index together.
-            return [k for k in keys if payload.set_key(k) and not index.set_key(k)]
-
-        found.bad.extend((key, checks.ORPHAN_PAYLOAD) for key in sa.read(store, body))
+        orphans = store.read(lambda txn, h, ks=keys: rec.orphan_payloads(txn, h, ks))
+        found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in orphans if key not in listed)
 
 
-def _check_totals(store: DiskStore, found: Findings) -> None:
-    def body(txn: lmdb.Transaction, h: sa.Handles) -> tuple[sa.Totals, sa.Totals, int]:
-        counted, unreadable = sa.recount(txn, h)
-        return sa.read_totals(txn, h), counted, unreadable
+def _check_meta(store: DiskStore, found: Findings) -> None:
+    def body(txn: lmdb.Transaction, h: rec.Handles) -> tuple[rec.Totals | None, rec.Totals, list[bytes]]:
+        return rec.read_totals(txn, h), rec.recount(txn, h)[0], rec.namespaces(txn, h)[1]
 
-    stored, counted, found.unreadable_index = sa.read(store, body)
+    stored, counted, found.bad_namespaces = store.read(body)
+    found.totals_readable = stored is not None
     found.totals_consistent = stored == counted
 
 
@@ -122,42 +136,60 @@ def find_problems(path: Path, threads: int) -> Findings:
         found = Findings()
         _check_index(store, threads, found)
         _check_orphans(store, found)
-        _check_totals(store, found)
+        _check_meta(store, found)
         return found
     finally:
         store.close()
 
 
+def _delete_by_scan(txn: lmdb.Transaction, db: Any, doomed: set[bytes]) -> int:
+    """Delete the entries of ``db`` whose keys are in ``doomed`` and that a lookup cannot reach,
+    where a cursor walk finds them (a damaged key is out of the B-tree's order)."""
+    cursor = txn.cursor(db=db)
+    deleted = 0
+    found = cursor.first()
+    while found:
+        key = bytes(cursor.key())
+        if key in doomed and txn.get(key, db=db) is None:
+            found = cursor.delete()  # moves to the next entry
+            deleted += 1
+        else:
+            found = cursor.next()
+    return deleted
+
+
 def repair(path: Path, found: Findings) -> dict[str, Any]:
-    """Drop the records of ``found`` that are still bad; recount totals if they were off."""
-    keys = [key for key, _ in found.bad]
-    recount_needed = not found.totals_consistent or found.unreadable_index > 0
+    """Drop the records of ``found`` that are still bad, the unreadable namespace entries, and
+    rewrite the totals from a recount."""
+    bad = [key for key, problem in found.bad if problem != UNREACHABLE]
+    unreachable = {key for key, problem in found.bad if problem == UNREACHABLE}
     store = ts.open_store(path, readonly=False)
     try:
         # An unclean store verifies itself in the background on open; let it finish first so
         # both passes never race over the same records.
         store.wait_recovery()
 
-        def body(txn: lmdb.Transaction, h: sa.Handles) -> tuple[int, int]:
-            totals = sa.read_totals(txn, h)
+        def body(txn: lmdb.Transaction, h: rec.Handles) -> dict[str, int]:
+            totals = rec.Totals()  # recounted below: only counts change in between
             dropped = gone = 0
-            for key in keys:
-                present, problem = checks.check_key(txn, h, key)
+            for key in bad:
+                present, problem = rec.check(txn, h, key)
                 if not present:
                     gone += 1
                 elif problem is not None:
-                    sa.delete_record(txn, h, key, totals)
+                    rec.delete(txn, h, key, totals)
                     dropped += 1
-            if recount_needed:
-                totals, _ = sa.recount(txn, h)
-            sa.write_totals(txn, h, totals)
-            return dropped, gone
+            dropped += _delete_by_scan(txn, h.index, unreachable)
+            dropped += _delete_by_scan(txn, h.payload, unreachable)
+            namespaces = sum(rec.unregister_namespace(txn, h, ns) for ns in found.bad_namespaces)
+            rec.write_totals(txn, h, rec.recount(txn, h)[0])
+            return {"dropped": dropped, "already_gone": gone, "namespace_entries_removed": namespaces}
 
-        dropped, gone = sa.write(store, body)
+        result = store.write(body, buffers=True)
         store.sync()
     finally:
         store.close()
-    return {"dropped": dropped, "already_gone": gone, "totals_recounted": recount_needed}
+    return {**result, "totals_recounted": True}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,26 +197,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "path": str(args.dir),
         "checked": found.checked,
-        "ok": found.checked - sum(1 for _, p in found.bad if p != checks.ORPHAN_PAYLOAD),
+        "ok": found.checked - sum(1 for _, p in found.bad if p != rec.ORPHAN_PAYLOAD),
         "bad_count": len(found.bad),
         "bad": [
-            {
-                "key": key.hex(),
-                "namespace": key[: sa.NAMESPACE_BYTES].hex(),
-                "group": sa.group_of(key),
-                "problem": problem,
-            }
+            {"key": key.hex(), "namespace": key[: rec.NAMESPACE_BYTES].hex(),
+             "group": rec.group_of(key), "problem": problem}
             for key, problem in found.bad[: max(0, args.show)]
         ],
+        "totals_readable": found.totals_readable,
         "totals_consistent": found.totals_consistent,
+        "unreadable_namespace_entries": [ns.hex() for ns in found.bad_namespaces],
     }
-    healthy = not found.bad and found.totals_consistent
-    if healthy:
+    if found.sound:
         report["status"] = "sound"
     elif args.repair:
         report["repaired"] = repair(args.dir, found)
         report["status"] = "repaired"
     else:
-        report["status"] = "bad records found; run with --repair to drop them"
+        report["status"] = "problems found; run with --repair to drop the bad records"
         report["_exit_code"] = 1
     return report

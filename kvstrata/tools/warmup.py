@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.compaction import toolsupport as ts
 from kvstrata.connector.config import DEFAULT_DISK_BYTES, DEFAULT_HOST_BYTES
+from kvstrata.tools import support as ts
 from kvstrata.tools.cli import CLIError
 
 _LOG_TAIL_LINES = 30

@@ -433,7 +433,7 @@ def corrupt_one_record(store: Path, model: str, prompt: list[int]) -> bytes:
     """
     import lmdb
 
-    from kvstrata.tiers.disk import _DB_PAYLOAD
+    from kvstrata.tiers.records import DB_PAYLOAD
 
     keys = records_of_prompt(store, model, prompt)
     assert len(keys) >= 2, f"expected several stored chunks of the prompt, found {len(keys)}"
@@ -441,7 +441,7 @@ def corrupt_one_record(store: Path, model: str, prompt: list[int]) -> bytes:
     env = lmdb.open(str(store), readonly=True, lock=False, max_dbs=8)
     try:
         with env.begin() as txn:
-            db = env.open_db(_DB_PAYLOAD, txn=txn, create=False)
+            db = env.open_db(DB_PAYLOAD, txn=txn, create=False)
             value = bytes(txn.get(key, db=db))
     finally:
         env.close()

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.compaction import archive, policy, rewrite
-from kvstrata.compaction import storeaccess as sa
+from kvstrata.compaction import archive, rewrite
 from kvstrata.compaction.evict import evict
-from kvstrata.compaction.policy import RetentionPolicy, select_lru_victims, select_victims
-from kvstrata.tiers import codec, disk
+from kvstrata.tiers import codec, retention
+from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
+from kvstrata.tiers.retention import RetentionPolicy, select_lru_victims, select_victims
 
 NS = bytes(range(16))
 
@@ -46,7 +46,7 @@ def _fill(store: DiskStore, count: int, size: int, *, start: int = 0) -> list[by
 # ---- policy ----------------------------------------------------------------------------------
 
 
-def _reference(entries: list[policy.Entry], need: int, cutoff: int | None) -> list[bytes]:
+def _reference(entries: list[retention.Entry], need: int, cutoff: int | None) -> list[bytes]:
     """The definition: sort by (tick, key); take the expired ones and the prefix reaching need."""
     ordered = sorted(entries, key=lambda e: (e[1], e[0]))
     out: list[bytes] = []
@@ -104,44 +104,46 @@ def test_policy_needs_and_validation() -> None:
 
 
 def test_disk_tier_uses_the_policy_as_its_eviction_choice() -> None:
-    # One implementation: disk.py imports its online eviction choice from kvstrata.compaction.
-    assert disk.select_lru_victims is policy.select_lru_victims
+    # One implementation: the disk tier's writer evicts by the retention module's rule.
+    from kvstrata.tiers.disk import writer
+
+    assert writer.select_victims is retention.select_victims
 
 
-# ---- the internals the tools rely on ---------------------------------------------------------
+# ---- the public store API the tools rely on ----------------------------------------------------
 
 
-def test_store_internals_the_tools_rely_on(tmp_path: Path) -> None:
+def test_store_api_the_tools_rely_on(tmp_path: Path) -> None:
     with DiskStore(tmp_path, budget_bytes=1 << 30) as store:
         keys = _fill(store, 5, 4096)
         store.register_namespace(NS, {"model": "m"})
-        totals = sa.read(store, sa.read_totals)
+        totals = store.read(rec.read_totals)
         stats = store.stats()
-        assert (totals.entries, totals.raw_bytes, totals.stored_bytes) == (
+        assert totals is not None and (totals.entries, totals.raw_bytes, totals.stored_bytes) == (
             stats["entries"], stats["raw_bytes"], stats["stored_bytes"])
-        assert sa.read(store, sa.recount) == (totals, 0)
-        assert [k for b in sa.scan(store, db="index", values=False) for k, _ in b] == keys
-        assert [k for b in sa.scan(store, db="payload", values=False) for k, _ in b] == keys
-        assert sa.key_namespaces(store) == [NS]
-        assert sa.meta_get(store, sa.META_FORMAT) == str(disk.FORMAT_VERSION).encode()
-        assert sa.write(store, lambda txn, h: sa.unregister_namespace(txn, h, NS))
+        assert store.read(rec.recount) == (totals, [])
+        assert [k for b in store.scan("index", values=False) for k, _ in b] == keys
+        assert [k for b in store.scan("payload", values=False) for k, _ in b] == keys
+        assert store.key_namespaces() == [NS]
+        assert store.read(lambda txn, h: txn.get(rec.META_FORMAT, db=h.meta)) == str(rec.FORMAT_VERSION).encode()
+        assert store.write(lambda txn, h: rec.unregister_namespace(txn, h, NS))
         assert store.namespaces() == {}
         # The lock file is the one an open store holds.
         assert rewrite.is_busy(tmp_path)
     assert not rewrite.is_busy(tmp_path)
-    assert (tmp_path / sa.LOCK_FILE).exists() and (tmp_path / sa.DATA_FILE).exists()
+    assert (tmp_path / rec.LOCK_FILE).exists() and (tmp_path / rec.DATA_FILE).exists()
 
 
 def test_scan_batches_and_namespace_jumps(tmp_path: Path) -> None:
     other = b"\xff" * 16
     with DiskStore(tmp_path, budget_bytes=1 << 30) as store:
-        n = sa.SCAN_BATCH + 7
+        n = rec.SCAN_BATCH + 7
         store.put_many([(_key(i), b"x" * 8, "uint8") for i in range(n)])
         store.put_many([(_key(i, ns=other), b"y" * 8, "uint8") for i in range(3)])
-        batches = list(sa.scan(store, db="index", prefix=NS))
-        assert [len(b) for b in batches] == [sa.SCAN_BATCH, 7]
-        assert sa.key_namespaces(store) == [NS, other]
-        assert sum(len(b) for b in sa.scan(store, db="index", prefix=other)) == 3
+        batches = list(store.scan("index", prefix=NS))
+        assert [len(b) for b in batches] == [rec.SCAN_BATCH, 7]
+        assert store.key_namespaces() == [NS, other]
+        assert sum(len(b) for b in store.scan("index", prefix=other)) == 3
 
 
 # ---- online budget ---------------------------------------------------------------------------

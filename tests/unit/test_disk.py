@@ -28,8 +28,8 @@ from kvstrata.tiers.disk import (
     IndexRecord,
     StoreFormatError,
     StoreUnavailableError,
-    select_lru_victims,
 )
+from kvstrata.tiers.retention import select_lru_victims
 
 HELPER = Path(__file__).with_name("disk_helper.py")
 sys.path.insert(0, str(HELPER.parent))
@@ -83,7 +83,7 @@ def test_put_get_contains_delete_iter(tmp_path: Path) -> None:
         rec = index[key(4)]
         assert isinstance(rec, IndexRecord)
         assert (rec.raw_len, rec.dtype, rec.group) == (len(payload(4)), "float16", 4 % 3)
-        frame_info = codec.frame_info(codec.encode(payload(4), "float16"))
+        frame_info = codec.frame_info(codec.encode(payload(4), "float16", key=key(4)))
         assert rec.checksum == frame_info.checksum and rec.codec == codec.CODEC_PLANES
         assert store.delete_many([key(0), key(1), key(99)]) == 2
         assert store.contains_many([key(0), key(2)]) == [False, True]

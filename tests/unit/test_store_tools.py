@@ -18,7 +18,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstrata.compaction import storeaccess as sa
+from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tools.cli import main
 
@@ -75,7 +75,7 @@ def _served(path: Path) -> dict[bytes, bytes]:
     """Every record the store serves, read through DiskStore.get_into."""
     out: dict[bytes, bytes] = {}
     with DiskStore(path, budget_bytes=1 << 30, create=False) as store:
-        keys = [k for b in sa.scan(store, db="index", values=False) for k, _ in b]
+        keys = [k for b in store.scan("index", values=False) for k, _ in b]
         for key in keys:
             buf = bytearray(CHUNK)
             n = store.get_into(key, buf)
@@ -174,14 +174,15 @@ def test_verify_finds_orphans_missing_payloads_and_bad_totals(
     orphan, hollow = _key(NS_B, 99, 0), _key(NS_A, 0, 0)
     with DiskStore(store_dir, budget_bytes=1 << 30, create=False) as store:
 
-        def damage(txn: Any, h: sa.Handles) -> None:
+        def damage(txn: Any, h: rec.Handles) -> None:
             txn.put(orphan, b"stray payload", db=h.payload)
             txn.delete(hollow, db=h.payload)
-            totals = sa.read_totals(txn, h)
+            totals = rec.read_totals(txn, h)
+            assert totals is not None
             totals.stored_bytes += 12345
-            sa.write_totals(txn, h, totals)
+            rec.write_totals(txn, h, totals)
 
-        sa.write(store, damage)
+        store.write(damage)
     rc, r, _ = _cli(capsys, "verify", str(store_dir))
     assert rc == 1 and not r["totals_consistent"]
     assert {(b["key"], b["problem"]) for b in r["bad"]} == {
@@ -189,7 +190,8 @@ def test_verify_finds_orphans_missing_payloads_and_bad_totals(
         (hollow.hex(), "payload missing"),
     }
     rc, r, _ = _cli(capsys, "verify", str(store_dir), "--repair")
-    assert rc == 0 and r["repaired"] == {"dropped": 2, "already_gone": 0, "totals_recounted": True}
+    assert rc == 0 and r["repaired"] == {"dropped": 2, "already_gone": 0, "namespace_entries_removed": 0,
+                                         "totals_recounted": True}
     rc, r, _ = _cli(capsys, "verify", str(store_dir))
     assert rc == 0 and r["totals_consistent"] and r["checked"] == 4 * PER_GROUP - 1
 

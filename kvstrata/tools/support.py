@@ -1,4 +1,4 @@
-"""What every store tool shares: opening a store with one-line errors, progress bars, arguments.
+"""What every store tool (``kvstrata verify``, ``inspect``, ``compact``, ...) shares: opening a store with one-line errors, progress bars, arguments.
 
 Errors are raised as :class:`kvstrata.tools.cli.CLIError` (printed as one line, exit status 2).
 A tool must never create a store where the user pointed at something else, so opening is strict:
@@ -15,8 +15,8 @@ from typing import Any
 
 import lmdb
 
-from kvstrata.compaction import storeaccess as sa
 from kvstrata.connector.config import ConfigError, parse_size
+from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore, StoreFormatError, StoreUnavailableError
 from kvstrata.tools.cli import CLIError
 
@@ -38,17 +38,19 @@ def check_store_dir(path: Path) -> None:
         raise CLIError(f"no store at {path}: the directory does not exist")
     if not path.is_dir():
         raise CLIError(f"{path} is not a directory (a store is a directory)")
-    if not (path / sa.DATA_FILE).is_file():
-        raise CLIError(f"{path} is not a kvstrata store (it has no {sa.DATA_FILE})")
+    if not (path / rec.DATA_FILE).is_file():
+        raise CLIError(f"{path} is not a kvstrata store (it has no {rec.DATA_FILE})")
+    if (path / rec.DATA_FILE).stat().st_size == 0:
+        raise CLIError(f"{path} is not a kvstrata store: its {rec.DATA_FILE} is empty (a failed copy?)")
     try:
         env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4, subdir=True)
     except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
-        raise CLIError(f"{path} is not a kvstrata store ({sa.DATA_FILE} is not LMDB: {exc})") from None
+        raise CLIError(f"{path} is not a kvstrata store ({rec.DATA_FILE} is not LMDB: {exc})") from None
     except lmdb.Error as exc:
         raise CLIError(f"cannot open {path}: {exc}") from None
     try:
         with env.begin() as txn:
-            names = [txn.get(name) is not None for name in sa.DB_NAMES]
+            names = [txn.get(name) is not None for name in rec.DB_NAMES]
     finally:
         env.close()
     if not all(names):
@@ -119,7 +121,7 @@ def resolve_fingerprint(spec: str, candidates: Iterable[bytes]) -> bytes:
 
 def store_namespaces(store: DiskStore) -> list[bytes]:
     """Registered namespaces and namespaces found in keys (a record may outlive its entry)."""
-    return sorted(set(store.namespaces()) | set(sa.key_namespaces(store)))
+    return sorted(set(store.namespaces()) | set(store.key_namespaces()))
 
 
 def progress(total: int | None, desc: str, *, unit: str = "chunk", unit_bytes: bool = False) -> Any:

@@ -1,0 +1,20 @@
+"""The disk tier: a compressed, checksummed, crash-aware LMDB store of KV chunks.
+
+``DiskStore`` (``store``) is the façade; ``env`` opens a store directory and runs transactions,
+``writer`` owns every write and their durability, ``recovery`` verifies a store after an unclean
+shutdown. What one transaction reads and writes is the record layer, ``kvstrata.tiers.records``.
+"""
+
+from kvstrata.tiers.codec import CorruptRecord
+from kvstrata.tiers.disk.env import StoreFormatError, StoreUnavailableError
+from kvstrata.tiers.disk.store import DiskStore
+from kvstrata.tiers.records import FORMAT_VERSION, IndexRecord
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CorruptRecord",
+    "DiskStore",
+    "IndexRecord",
+    "StoreFormatError",
+    "StoreUnavailableError",
+]

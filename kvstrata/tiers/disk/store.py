@@ -1,0 +1,407 @@
+"""The disk tier: a compressed, checksummed, crash-aware LMDB store of KV chunks.
+
+``DiskStore`` is the façade over the parts of ``kvstrata.tiers.disk``: ``env`` (opening the
+directory, transactions), ``writer`` (the writer and sync threads, eviction), ``recovery`` (the
+verification after an unclean shutdown) and the record layer ``kvstrata.tiers.records`` (what
+one transaction reads and writes). Reads run in the caller's thread (callers use a thread pool),
+each in its own short read transaction that decompresses straight out of the zero-copy map view;
+every write runs on the writer thread. Several processes may open the same store: LMDB
+serialises their write transactions and the running totals live in the store, so that they stay
+exact across processes.
+
+Nothing the store *contains* makes a read raise: a record that is damaged, or that is another
+key's (frames are bound to their key), is a counted miss, logged, and dropped by the writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import lmdb
+import msgspec
+
+from kvstrata.tiers import codec
+from kvstrata.tiers import records as rec
+from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
+from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
+from kvstrata.tiers.disk.writer import Counters, PutJob, Writer, now_us
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DiskStore:
+    """Compressed LMDB store of KV chunks; see the module docstring and docs/DESIGN.md.
+
+    ``budget_bytes`` caps the stored (compressed frame) bytes; the LMDB file is ~1.0-1.3x that.
+    When a put would exceed it, the least recently used entries are evicted, ``evict_slack``
+    (a fraction of the budget) more than needed so that the index scan behind an eviction is
+    amortised over many puts. ``map_size`` only reserves address space (no writemap), so keep
+    it large. ``level``/``codec`` select the codec ("raw" stores uncompressed frames).
+    ``sync_interval_s``/``sync_bytes`` pace the background ``env.sync()``;
+    ``touch_flush_interval_s`` paces the batched write of access ticks; after a full map or disk
+    the store stops admitting for ``full_retry_s`` seconds, then tries again. ``max_age_s``:
+    whenever the writer evicts, chunks idle longer than this go first.
+    ``readonly=True`` opens an existing store for reads only (no writer thread, no ticks).
+    Every method is thread-safe.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        budget_bytes: int,
+        map_size: int = 1 << 40,
+        level: int = 1,
+        codec: str = "auto",
+        create: bool = True,
+        readonly: bool = False,
+        sync_interval_s: float = 1.0,
+        sync_bytes: int = 64 << 20,
+        touch_flush_interval_s: float = 1.0,
+        evict_slack: float = 1.0 / 64,
+        full_retry_s: float = 30.0,
+        max_age_s: float | None = None,
+    ) -> None:
+        if codec not in ("auto", "raw"):
+            raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
+        if budget_bytes <= 0:
+            raise ValueError("budget_bytes must be positive")
+        self.path = Path(path)
+        self.budget_bytes = int(budget_bytes)
+        self.readonly = readonly
+        self._level = level
+        self._codec_mode: Literal["auto", "raw"] = "raw" if codec == "raw" else "auto"
+        self._counts = Counters()
+        self._tick_lock = threading.Lock()
+        self._last_tick = 0
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._logged_damage: set[str] = set()
+        self._env = StoreEnv(self.path, map_size=map_size, create=create, readonly=readonly)
+        self.h = self._env.handles
+        self.unclean_shutdown = self._env.unclean
+        self._writer: Writer | None = None
+        self._recovery: Recovery | None = None
+        if not readonly:
+            self._writer = Writer(
+                self._env, self._counts, budget_bytes=self.budget_bytes, evict_slack=evict_slack,
+                max_age_s=max_age_s, sync_interval_s=sync_interval_s, sync_bytes=sync_bytes,
+                touch_flush_interval_s=touch_flush_interval_s, full_retry_s=full_retry_s)
+            if self.unclean_shutdown:
+                self._recovery = Recovery(self._writer, self._counts)
+
+    # ---- transactions for the tools ---------------------------------------------------------------
+
+    def read(self, fn: Callable[[lmdb.Transaction, rec.Handles], T], *, buffers: bool = False) -> T:
+        """``fn(txn, handles)`` in one short read transaction (``kvstrata.tiers.records``)."""
+        return self._env.txn(lambda txn: fn(txn, self.h), buffers=buffers)
+
+    def write(self, fn: Callable[[lmdb.Transaction, rec.Handles], T], *, buffers: bool = False) -> T:
+        """``fn(txn, handles)`` in one write transaction on the writer thread, serialised with
+        the store's own puts and evictions; an exception inside ``fn`` commits nothing."""
+        if self._writer is None:
+            raise ValueError(f"store at {self.path} is open read-only")
+        return self._writer.write(lambda txn: fn(txn, self.h), buffers=buffers)
+
+    @property
+    def on_removed(self) -> Callable[[list[bytes]], None] | None:
+        """Told the store keys of records deleted (evicted, expired, dropped as corrupt, deleted)
+        once their transaction committed, on the writer thread: it must not wait on this store."""
+        return None if self._writer is None else self._writer.on_removed
+
+    @on_removed.setter
+    def on_removed(self, fn: Callable[[list[bytes]], None] | None) -> None:
+        if self._writer is not None:
+            self._writer.on_removed = fn
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def get_into(self, key: bytes, out: Buffer) -> int | None:
+        """Decode the value of ``key`` into ``out``; bytes written, or None (a miss, or a record
+        that is damaged or not this key's: counted, logged, dropped). ``out`` may then hold
+        garbage. Decompression runs inside the short read transaction, straight from the map."""
+        try:
+            result = self._env.txn(lambda txn: rec.read_into(txn, self.h, key, out), buffers=True)
+        except ValueError as exc:  # out too small: a layout mismatch, never a crash
+            log.debug("get_into(%s): %s", key.hex(), exc)
+            self._counts.bump("size_mismatch")
+            result = None
+        except (StoreUnavailableError, lmdb.Error) as exc:
+            self._log_damage(f"read of {key.hex()} failed", exc)
+            result = None
+        if result is None:
+            self._counts.bump("misses")
+            return None
+        if isinstance(result, str):
+            self._on_corrupt(key, result)
+            return None
+        self._counts.bump("hits")
+        self._touch([key])
+        return result
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """Record an access to these keys without reading them (a chunk served from the host
+        tier): eviction and ``max_age_s`` see them as recently used. Buffered, never blocks."""
+        if keys:
+            self._touch(keys)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are stored: one short read transaction, ~0.5 µs per key (cursor seeks)."""
+        self._counts.bump("lookups", len(keys))
+        try:
+            return self._env.txn(lambda txn: self._probe(txn, keys), buffers=True)
+        except (StoreUnavailableError, lmdb.Error) as exc:
+            self._log_damage("lookup failed", exc)
+            return [False] * len(keys)
+
+    def _probe(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> list[bool]:
+        # A cursor seek answers presence without materialising the value.
+        cursor = txn.cursor(db=self.h.index)
+        return [cursor.set_key(k) for k in keys]
+
+    def iter_index(self) -> Iterator[tuple[bytes, rec.IndexRecord]]:
+        """Every readable (key, record) in key order, in batches of separate short transactions
+        (one held across the caller's loop would pin freed pages and grow the file). Ticks
+        include access not yet written. Unreadable index records are skipped, counted and
+        dropped by the writer."""
+        after: bytes | None = None
+        while True:
+            good, bad, after = self._env.txn(lambda txn, a=after: rec.index_batch(txn, self.h, a))
+            if bad:
+                self._counts.bump("index_unreadable", len(bad))
+                self._log_damage(f"{len(bad)} unreadable index record(s), e.g. {bad[0].hex()}", None)
+                if self._writer is not None:
+                    self._drop_soon(bad)
+            touched = self._writer.touched() if self._writer is not None else {}
+            for key, found in good:
+                tick = touched.get(key)
+                yield key, (msgspec.structs.replace(found, tick=tick) if tick and tick > found.tick else found)
+            if after is None:
+                return
+
+    def scan(self, db: Literal["index", "payload", "meta"] = "index", *, prefix: bytes = b"",
+             values: bool = True) -> Iterator[list[tuple[bytes, bytes | None]]]:
+        """Batches of ``(key, value copy or None)`` of one database in key order, under
+        ``prefix``, each batch its own short read transaction (payload keys are read without
+        touching their value pages when ``values`` is False)."""
+        handle = getattr(self.h, db)
+        after: bytes | None = None
+        while True:
+            batch = self._env.txn(lambda txn, a=after: rec.scan_batch(txn, handle, a, prefix=prefix, values=values))
+            if batch:
+                yield batch
+            if len(batch) < rec.SCAN_BATCH:
+                return
+            after = batch[-1][0]
+
+    def key_namespaces(self) -> list[bytes]:
+        """The distinct namespaces of the stored keys (a record may outlive its registration)."""
+        return self._env.txn(lambda txn: rec.key_namespaces(txn, self.h))
+
+    def namespaces(self) -> dict[bytes, dict[str, Any]]:
+        """The registered namespaces (fingerprint -> description); unreadable entries skipped."""
+        found, bad = self._env.txn(lambda txn: rec.namespaces(txn, self.h))
+        if bad:
+            self._log_damage(f"{len(bad)} unreadable namespace entr(ies), e.g. {bad[0].hex()}", None)
+        return found
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and totals; totals come from the store (exact across processes)."""
+        try:
+            totals = self._env.txn(self._totals_now)
+        except (StoreUnavailableError, lmdb.Error):
+            totals = rec.Totals()
+        counts = self._counts.snapshot()
+        counts["map_resized"] = self._env.map_resized
+        writer = self._writer
+        try:
+            file_bytes = (self.path / rec.DATA_FILE).stat().st_size
+        except OSError:
+            file_bytes = 0
+        return {
+            "path": str(self.path),
+            "entries": totals.entries,
+            "raw_bytes": totals.raw_bytes,
+            "stored_bytes": totals.stored_bytes,
+            "compression_ratio": totals.raw_bytes / totals.stored_bytes if totals.stored_bytes else 1.0,
+            "budget_bytes": self.budget_bytes,
+            "file_bytes": file_bytes,
+            "admitting": writer.admitting if writer is not None else False,
+            "unclean_shutdown": self.unclean_shutdown,
+            "recovering": self._recovery is not None and not self._recovery.done.is_set(),
+            "pending_touches": len(writer.touched()) if writer is not None else 0,
+            "codec": self._codec_mode,
+            "level": self._level,
+            **counts,
+        }
+
+    def _totals_now(self, txn: lmdb.Transaction) -> rec.Totals:
+        totals = rec.read_totals(txn, self.h)
+        if totals is not None:
+            return totals
+        # Derived data: recount, and have the writer store the recount once.
+        self._log_damage("the totals record is unreadable; recounted", None)
+        if self._writer is not None:
+            self._writer.call_soon(self._rewrite_totals)
+        return rec.recount(txn, self.h)[0]
+
+    def _rewrite_totals(self) -> None:
+        assert self._writer is not None
+        self._counts.bump("totals_recounted")
+        self._writer.write(lambda txn: rec.write_totals(txn, self.h, rec.recount(txn, self.h)[0]))
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def put_many(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> int:
+        """Compress and store ``(key, data, dtype)`` entries; returns how many are now stored.
+
+        Keys already stored are not rewritten (a chunk key names its content) and count as
+        stored. Compression runs in the calling thread (callers parallelise across a pool) and
+        overlaps the writer thread's puts. A full map or disk, or an entry larger than the
+        budget, drops entries and counts them; it never raises for those.
+        """
+        if not entries:
+            return 0
+        for key, data, dtype in entries:  # ValueError for bad input before any work
+            self._check_key(key)
+            if memoryview(data).nbytes % codec.itemsize(dtype):
+                raise ValueError(f"{memoryview(data).nbytes} bytes is not a whole number of {dtype} elements")
+        writer = self._writer
+        if writer is None or not writer.open or not writer.admission_open():
+            self._counts.bump("admission_drops", len(entries))
+            return 0
+        try:
+            present = self._env.txn(lambda txn: self._probe(txn, [key for key, _, _ in entries]), buffers=True)
+        except (StoreUnavailableError, lmdb.Error):
+            self._counts.bump("admission_drops", len(entries))
+            return 0
+        stored = 0
+        futures: list[Future[bool]] = []
+        for (key, data, dtype), here in zip(entries, present, strict=True):
+            if here:
+                stored += 1
+                self._touch([key])
+                continue
+            frame = codec.encode(data, dtype, key=key, level=self._level, mode=self._codec_mode)
+            job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future())
+            if not writer.submit(job):
+                self._counts.bump("admission_drops")
+                continue
+            futures.append(job.future)
+        self._counts.bump("put_present", stored)
+        return stored + sum(1 for fut in futures if fut.result())
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete keys; returns how many were stored."""
+        if not keys:
+            return 0
+        for key in keys:
+            self._check_key(key)
+        writer = self._require_writer()
+
+        def body(txn: lmdb.Transaction) -> int:
+            totals = rec.current_totals(txn, self.h)
+            count, _ = writer.delete(txn, totals, keys)
+            rec.write_totals(txn, self.h, totals)
+            return count
+
+        count = writer.write(body)
+        self._counts.bump("deletes", count)
+        return count
+
+    def register_namespace(self, ns: bytes, info: dict[str, Any]) -> None:
+        """Record a namespace fingerprint and what it describes (model, dtype, layout, rank)."""
+        if not isinstance(ns, bytes) or not ns:
+            raise ValueError("namespace must be non-empty bytes")
+        self._require_writer().write(lambda txn: rec.register_namespace(txn, self.h, ns, info))
+
+    def sync(self) -> None:
+        """Write everything queued so far (and access ticks) and make it durable."""
+        writer = self._writer
+        if writer is None or not writer.open:
+            return
+        writer.call(writer.flush_touches)
+        writer.sync()
+
+    def wait_recovery(self, timeout: float | None = None) -> bool:
+        """Wait for the verification started by an unclean open to end (or be cut short by
+        close()); True unless the timeout expired."""
+        return self._recovery is None or self._recovery.done.wait(timeout)
+
+    def close(self) -> None:
+        """Flush, sync, mark the shutdown clean (when no other process has the store open)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            writer = self._writer
+            if writer is not None:
+                writer.request_stop()
+                if self._recovery is not None:
+                    self._recovery.join()  # it waits on the writer: stop it while the writer runs
+                writer.stop()
+                verified = self._recovery is None or self._recovery.verified
+                if verified:  # else the next open verifies again
+                    try:
+                        self._env.mark_clean()
+                    except lmdb.Error as exc:
+                        log.warning("store at %s: could not mark it clean: %s", self.path, exc)
+            self._env.close()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _require_writer(self) -> Writer:
+        if self._writer is None or not self._writer.open:
+            raise StoreUnavailableError(f"store at {self.path} is {'read-only' if self.readonly else 'closed'}")
+        return self._writer
+
+    def _check_key(self, key: bytes) -> None:
+        if not isinstance(key, bytes) or not 0 < len(key) <= self._env.max_key:
+            raise ValueError(f"store keys must be 1..{self._env.max_key} bytes, got {key!r:.40}")
+
+    def _next_tick(self) -> int:
+        # Wall-clock microseconds (comparable across processes), strictly increasing here.
+        with self._tick_lock:
+            self._last_tick = max(self._last_tick + 1, now_us())
+            return self._last_tick
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        if self._writer is not None:
+            self._writer.touch(keys, self._next_tick())
+
+    def _on_corrupt(self, key: bytes, problem: str) -> None:
+        self._counts.bump("corrupt")
+        self._counts.bump("misses")
+        log.warning("store at %s: corrupt record %s (%s); treated as a miss", self.path, key.hex(), problem)
+        self._drop_soon([key])
+
+    def _drop_soon(self, keys: list[bytes]) -> None:
+        """Have the writer re-check these records and drop those still bad."""
+        writer = self._writer
+        if writer is not None:
+            writer.call_soon(lambda: drop_if_bad(writer, keys, "corrupt_dropped"))
+
+    def _log_damage(self, what: str, exc: BaseException | None) -> None:
+        """Log a store-level problem once per kind (a damaged store would flood the log)."""
+        kind = what if exc is None else type(exc).__name__
+        if kind in self._logged_damage:
+            return
+        self._logged_damage.add(kind)
+        log.warning("store at %s: %s%s", self.path, what, f": {exc}" if exc is not None else "")

@@ -1,0 +1,451 @@
+"""The store's writer: one thread for every write (puts, deletes, access ticks, evictions) and one
+that makes them durable (``env.sync()``).
+
+Puts come compressed; the writer batches small ones into one transaction and gives large ones a
+transaction each (batching large values makes LMDB malloc and fault dirty overflow pages per
+transaction, docs/STORAGE.md). When a put would exceed the byte budget it evicts the least
+recently used records (``tiers.retention``) in the same transaction. A full map or disk stops
+admission for a while, logged once; reads go on. Access ticks are buffered in memory by reads
+and flushed in batches (reads never write).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import lmdb
+import msgspec
+
+from kvstrata.tiers import codec
+from kvstrata.tiers import records as rec
+from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
+from kvstrata.tiers.retention import select_victims
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Values at least this large get a transaction of their own (see the module docstring).
+_LARGE_VALUE = 256 << 10
+_SMALL_BATCH_BYTES = 1 << 20
+_SMALL_BATCH_COUNT = 64
+_TOUCH_FLUSH_MAX = 4096  # pending access ticks that force an early flush
+
+COUNTERS = (
+    "hits", "misses", "lookups", "corrupt", "corrupt_dropped", "size_mismatch", "puts",
+    "put_present", "deletes", "evictions", "evicted_bytes", "admission_drops", "too_large_drops",
+    "full_events", "map_resized", "tick_flushes", "sync_errors", "recovery_checked",
+    "recovery_dropped", "totals_recounted", "index_unreadable",
+)
+
+
+class Counters:
+    """The store's event counters (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+
+    def bump(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclass(slots=True)
+class PutJob:
+    key: bytes
+    frame: bytes
+    info: codec.FrameInfo
+    tick: int
+    future: Future[bool]
+
+
+@dataclass(slots=True)
+class _CallJob:
+    fn: Callable[[], Any]
+    future: Future[Any]
+
+
+_STOP = object()
+
+
+@dataclass(slots=True)
+class _PutOutcome:
+    written: bool = False
+    evicted: int = 0
+    evicted_bytes: int = 0
+    reason: str = ""
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class Writer:
+    """The write side of one open store (see the module docstring)."""
+
+    def __init__(
+        self,
+        env: StoreEnv,
+        counters: Counters,
+        *,
+        budget_bytes: int,
+        evict_slack: float,
+        max_age_s: float | None,
+        sync_interval_s: float,
+        sync_bytes: int,
+        touch_flush_interval_s: float,
+        full_retry_s: float,
+    ) -> None:
+        self.env = env
+        self.h = env.handles
+        self.counts = counters
+        self.budget_bytes = budget_bytes
+        self._evict_slack = max(0.0, evict_slack)
+        # Retention: whenever the writer evicts, chunks idle longer than this go first.
+        self._max_age_us = None if max_age_s is None else int(max_age_s * 1_000_000)
+        self._sync_interval = sync_interval_s
+        self._sync_bytes = sync_bytes
+        self._touch_interval = touch_flush_interval_s
+        self._full_retry_s = full_retry_s
+        self.admitting = True
+        self._retry_at = 0.0
+        self._full_logged = False
+        self._dirty = threading.Event()
+        self._dirty_bytes = 0
+        self._sync_wake = threading.Event()
+        self._stop = threading.Event()
+        self._touched: dict[bytes, int] = {}
+        self._touch_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._submit_lock = threading.Lock()
+        self.open = True
+        # Told the store keys of records deleted (evicted, dropped as corrupt, deleted) once their
+        # transaction committed; called on the writer thread, so it must not wait on the store.
+        self.on_removed: Callable[[list[bytes]], None] | None = None
+        self._removed: list[bytes] = []  # deleted by the write transaction running now
+        self._thread = _spawn(self._loop, "writer")
+        self._syncer = _spawn(self._sync_loop, "sync")
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    def submit(self, job: PutJob | _CallJob) -> bool:
+        # Under the lock that queues _STOP: no job can land behind it and wait forever.
+        with self._submit_lock:
+            if not self.open:
+                return False
+            self._queue.put(job)
+            return True
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the writer thread and wait for its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        job: _CallJob = _CallJob(fn, Future())
+        if not self.submit(job):
+            raise StoreUnavailableError(f"store at {self.env.path} is closed")
+        return job.future.result()
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the writer thread without waiting."""
+        self.submit(_CallJob(fn, Future()))
+
+    def write(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool = False) -> T:
+        """``fn(txn)`` in one write transaction on the writer thread; deletions it reports
+        through ``deleted`` reach ``on_removed`` once it commits."""
+        return self.call(lambda: self._write_txn(fn, buffers=buffers))
+
+    def _write_txn(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool = False) -> T:
+        def body(txn: lmdb.Transaction) -> T:
+            self._removed = []  # (again when the transaction is retried)
+            return fn(txn)
+
+        result = self.env.txn(body, write=True, buffers=buffers)
+        removed, self._removed = self._removed, []
+        if removed and self.on_removed is not None:
+            try:
+                self.on_removed(removed)
+            except Exception:
+                log.exception("store at %s: on_removed callback failed", self.env.path)
+        self.mark_dirty()
+        return result
+
+    def deleted(self, keys: Iterable[bytes]) -> None:
+        """Inside a write transaction on the writer thread: these records are being deleted."""
+        keys = list(keys)
+        self._removed.extend(keys)
+        with self._touch_lock:
+            for key in keys:
+                self._touched.pop(key, None)
+
+    def delete(self, txn: lmdb.Transaction, totals: rec.Totals, keys: Iterable[bytes]) -> tuple[int, int]:
+        """Delete records in ``txn`` (writer thread); (count, stored bytes freed)."""
+        count = freed = 0
+        gone: list[bytes] = []
+        for key in keys:
+            n = rec.delete(txn, self.h, key, totals)
+            if n is None:
+                continue
+            gone.append(bytes(key))
+            count += 1
+            freed += n
+        self.deleted(gone)
+        return count, freed
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def admission_open(self) -> bool:
+        if self.admitting:
+            return True
+        if time.monotonic() >= self._retry_at:
+            self.admitting = True  # try again: eviction or the user may have freed space
+            return True
+        return False
+
+    def on_write_failure(self, exc: BaseException) -> None:
+        """Full map or disk: stop admitting for a while, log once, count; reads go on."""
+        self.admitting = False
+        self._retry_at = time.monotonic() + self._full_retry_s
+        self.counts.bump("full_events")
+        if not self._full_logged:
+            self._full_logged = True
+            hint = " (disk full)" if getattr(exc, "errno", None) == errno.ENOSPC else ""
+            log.warning("store at %s stopped admitting new chunks for %.0fs%s: %s: %s",
+                        self.env.path, self._full_retry_s, hint, type(exc).__name__, exc)
+
+    # ---- access ticks -------------------------------------------------------------------------
+
+    def touch(self, keys: Iterable[bytes], tick: int) -> None:
+        with self._touch_lock:
+            touched = self._touched
+            for key in keys:
+                touched[key] = tick
+            many = len(touched) >= _TOUCH_FLUSH_MAX
+        if many:
+            self.call_soon(self.flush_touches)
+
+    def touched(self) -> dict[bytes, int]:
+        """Buffered access ticks not written yet."""
+        with self._touch_lock:
+            return dict(self._touched)
+
+    def flush_touches(self) -> None:
+        """Write the buffered last-access ticks (writer thread)."""
+        with self._touch_lock:
+            if not self._touched:
+                return
+            pending, self._touched = self._touched, {}
+
+        def body(txn: lmdb.Transaction) -> None:
+            for key, tick in pending.items():
+                found = rec.decode_index(txn.get(key, db=self.h.index))
+                if found is not None and tick > found.tick:
+                    txn.put(key, rec.encode_index(msgspec.structs.replace(found, tick=tick)), db=self.h.index)
+
+        try:
+            self._write_txn(body)
+        except (lmdb.Error, OSError) as exc:
+            self.on_write_failure(exc)  # ticks are advisory: losing them only blurs LRU order
+            return
+        self.counts.bump("tick_flushes")
+
+    # ---- the writer thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        last_flush = time.monotonic()
+        carry: Any = None
+        while True:
+            job = carry
+            carry = None
+            if job is None:
+                try:
+                    job = self._queue.get(timeout=self._touch_interval)
+                except queue.Empty:
+                    job = None
+            if job is _STOP:
+                self._fail_queued()
+                return
+            if isinstance(job, PutJob):
+                carry = self._run_puts(job)
+            elif isinstance(job, _CallJob):
+                _run_call(job)
+            if time.monotonic() - last_flush >= self._touch_interval:
+                last_flush = time.monotonic()
+                try:
+                    self.flush_touches()
+                except Exception:  # ticks are advisory; keep the writer alive
+                    log.exception("store at %s: flushing access ticks failed", self.env.path)
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, PutJob):
+                job.future.set_result(False)
+            elif isinstance(job, _CallJob):
+                job.future.set_exception(StoreUnavailableError(f"store at {self.env.path} is closed"))
+
+    def _run_puts(self, first: PutJob) -> Any:
+        """Write ``first`` (plus following small puts in the same transaction); returns a job
+        taken from the queue that did not fit the batch, for the loop to run next."""
+        jobs = [first]
+        carry: Any = None
+        if len(first.frame) < _LARGE_VALUE:
+            size = len(first.frame)
+            while len(jobs) < _SMALL_BATCH_COUNT and size < _SMALL_BATCH_BYTES:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(nxt, PutJob) or len(nxt.frame) >= _LARGE_VALUE:
+                    carry = nxt
+                    break
+                jobs.append(nxt)
+                size += len(nxt.frame)
+        try:
+            outcomes = self._write_batch(jobs)
+        except Exception:  # a bug must not kill the writer and leave callers waiting forever
+            log.exception("store at %s: writing %d entries failed", self.env.path, len(jobs))
+            self.counts.bump("admission_drops", len(jobs))
+            outcomes = [_PutOutcome() for _ in jobs]
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            job.future.set_result(outcome.written)
+        return carry
+
+    def _write_batch(self, jobs: list[PutJob]) -> list[_PutOutcome]:
+        def body(txn: lmdb.Transaction) -> list[_PutOutcome]:
+            totals = self._totals(txn)
+            outcomes = [self._put(txn, totals, job) for job in jobs]
+            rec.write_totals(txn, self.h, totals)
+            return outcomes
+
+        try:
+            outcomes = self._write_txn(body)
+        except (lmdb.Error, OSError) as exc:  # MapFullError, DiskError (ENOSPC), EFBIG, EIO...
+            self.on_write_failure(exc)
+            self.counts.bump("admission_drops", len(jobs))
+            return [_PutOutcome() for _ in jobs]
+        self._dirty_bytes += sum(len(job.frame) for job in jobs)
+        for outcome in outcomes:
+            self.counts.bump("evictions", outcome.evicted)
+            self.counts.bump("evicted_bytes", outcome.evicted_bytes)
+            if outcome.written:
+                self.counts.bump("puts")
+            elif outcome.reason:
+                self.counts.bump(outcome.reason)
+        return outcomes
+
+    def _totals(self, txn: lmdb.Transaction) -> rec.Totals:
+        totals = rec.read_totals(txn, self.h)
+        if totals is None:  # derived data: recount (and the put rewrites them)
+            log.warning("store at %s: the totals record is unreadable; recounting it", self.env.path)
+            self.counts.bump("totals_recounted")
+            totals = rec.recount(txn, self.h)[0]
+        return totals
+
+    def _put(self, txn: lmdb.Transaction, totals: rec.Totals, job: PutJob) -> _PutOutcome:
+        outcome = _PutOutcome()
+        if txn.get(job.key, db=self.h.index) is not None:
+            outcome.written = True  # stored meanwhile (same key, same content)
+            return outcome
+        stored = len(job.frame)
+        if stored > self.budget_bytes:
+            outcome.reason = "too_large_drops"
+            return outcome
+        over = totals.stored_bytes + stored - self.budget_bytes
+        if over > 0:
+            need = over + int(self._evict_slack * self.budget_bytes)
+            expire = None if self._max_age_us is None else now_us() - self._max_age_us
+            victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
+            outcome.evicted, outcome.evicted_bytes = self.delete(txn, totals, victims)
+        rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick), totals)
+        outcome.written = True
+        return outcome
+
+    def _eviction_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int, int]]:
+        touched = self.touched()
+        for key, value in txn.cursor(db=self.h.index):
+            found = rec.decode_index(value)
+            if found is None:
+                continue  # unreadable: left to verification, which drops it
+            yield bytes(key), max(found.tick, touched.get(bytes(key), 0)), found.stored_len
+
+    # ---- durability ---------------------------------------------------------------------------
+
+    def mark_dirty(self) -> None:
+        self._dirty.set()
+        if self._dirty_bytes >= self._sync_bytes:  # approximate: it only paces the syncer
+            self._sync_wake.set()
+
+    def sync(self) -> None:
+        self._dirty.clear()
+        self._dirty_bytes = 0
+        self.env.sync()
+
+    def _sync_loop(self) -> None:
+        # A thread of its own so that flushing overlaps the writer's next puts. It runs every
+        # sync_interval_s, and early once sync_bytes are dirty.
+        while True:
+            self._sync_wake.wait(self._sync_interval)
+            self._sync_wake.clear()
+            if self._stop.is_set():
+                return
+            if self._dirty.is_set():
+                try:
+                    self.sync()
+                except lmdb.Error as exc:
+                    self.counts.bump("sync_errors")
+                    log.warning("store at %s: env.sync failed: %s", self.env.path, exc)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        """Tell the background work (the syncer, a verification) to stop; writes still run."""
+        self._stop.set()
+        self._sync_wake.set()
+
+    def stop(self) -> None:
+        """Flush the ticks, finish what is queued (failing what comes after), stop both threads."""
+        self.request_stop()
+        try:
+            self.call(self.flush_touches)
+        except StoreUnavailableError:
+            pass
+        with self._submit_lock:
+            self.open = False
+            self._queue.put(_STOP)
+        self._thread.join()
+        self._syncer.join()
+        try:
+            self.sync()
+        except lmdb.Error as exc:
+            log.warning("store at %s: final env.sync failed: %s", self.env.path, exc)
+
+
+def _run_call(job: _CallJob) -> None:
+    try:
+        job.future.set_result(job.fn())
+    except BaseException as exc:  # handed to the waiting caller
+        job.future.set_exception(exc)
+
+
+def _spawn(target: Callable[[], None], name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=f"kvstrata-disk-{name}", daemon=True)
+    thread.start()
+    return thread

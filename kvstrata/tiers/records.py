@@ -1,0 +1,408 @@
+"""The store's record layer: what an LMDB store holds, and the operations inside one transaction.
+
+One LMDB environment per store directory, three named databases:
+
+* ``payload``: store key -> codec frame (``kvstrata.tiers.codec``), bound to its key;
+* ``index``: store key -> :class:`IndexRecord` (msgpack, ~40 B), scanned without touching the
+  payload pages;
+* ``meta``: format version, clean-shutdown marker, running totals, namespace registry.
+
+A store key is a 16-byte namespace (``NAMESPACE_BYTES``: a fingerprint of the model, dtypes, KV
+layout and rank) followed by a chunk key whose last 4 bytes are the KV cache group.
+
+Every function here runs in a transaction the caller opened (``DiskStore.read`` /
+``DiskStore.write``, or the store's own writer), so what it checks and what it changes are one
+atomic step. Nothing here raises because of what the store *contains*: an unreadable index
+record, totals record or namespace entry is reported (None, a problem string, a list of bad
+keys) so that the serving path can count a miss and the tools can report and repair it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import msgspec
+
+from kvstrata.tiers import codec
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+FORMAT_VERSION = 1
+
+DB_PAYLOAD = b"payload"
+DB_INDEX = b"index"
+DB_META = b"meta"
+DB_NAMES = (DB_PAYLOAD, DB_INDEX, DB_META)
+META_FORMAT = b"format_version"
+META_CLEAN = b"clean"
+META_TOTALS = b"totals"
+META_NS = b"ns:"
+LOCK_FILE = "kvstrata.lock"  # flock'ed by every writable opener (see DiskStore)
+DATA_FILE = "data.mdb"
+LMDB_LOCK_FILE = "lock.mdb"
+NAMESPACE_BYTES = 16
+SCAN_BATCH = 1024  # entries per short read transaction of a scan
+
+# Problems with a record, as reported to the user and counted on the serving path.
+INDEX_UNREADABLE = "index record unreadable"
+PAYLOAD_MISSING = "payload missing"
+ORPHAN_PAYLOAD = "payload without index record"
+SIZE_MISMATCH = "payload size differs from the index record"
+FRAME_UNREADABLE = "payload frame header unreadable"
+FRAME_MISMATCH = "payload frame does not match the index record"
+GROUP_MISMATCH = "index record group differs from the key"
+CHECKSUM = "checksum mismatch (payload corrupt or another key's)"
+PAGE_DAMAGED = "store page unreadable (LMDB structure damaged)"
+
+# LMDB's own structure found damaged while reading one record: treated like a bad record.
+LMDB_DAMAGE: tuple[type[Exception], ...] = (lmdb.CorruptedError, lmdb.PageNotFoundError,
+                                             lmdb.BadValsizeError)
+
+
+class IndexRecord(msgspec.Struct, array_like=True, frozen=True):
+    """Per-key metadata kept apart from the payload so scans never touch payload pages."""
+
+    raw_len: int
+    stored_len: int
+    codec: int
+    checksum: int  # the frame's (key-bound) checksum
+    tick: int  # last access, microseconds since the epoch (comparable across processes)
+    group: int  # KV-cache group index: the last 4 bytes of the chunk key, big-endian
+    dtype: str
+
+
+class Totals(msgspec.Struct, array_like=True):
+    """The store's running totals (``meta/totals``): what budget enforcement counts. Derived
+    data: recounted from the index whenever they cannot be read."""
+
+    entries: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+
+    def add(self, rec: IndexRecord, sign: int = 1) -> None:
+        self.entries += sign
+        self.raw_bytes += sign * rec.raw_len
+        self.stored_bytes += sign * rec.stored_len
+
+
+@dataclass(frozen=True, slots=True)
+class Handles:
+    """The store's databases (open handles of one environment): the three named ones and the
+    main database that holds their names."""
+
+    payload: Any  # lmdb._Database
+    index: Any
+    meta: Any
+    main: Any
+
+
+def live_bytes(txn: lmdb.Transaction, h: Handles) -> int:
+    """Bytes of the pages every database uses: what a compacting copy of the file writes."""
+    pages = 2  # the two meta pages
+    psize = 0
+    for db in (h.payload, h.index, h.meta, h.main):
+        st = txn.stat(db)
+        psize = st["psize"]
+        pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+    return pages * psize
+
+
+_INDEX_DECODER = msgspec.msgpack.Decoder(IndexRecord)
+_TOTALS_DECODER = msgspec.msgpack.Decoder(Totals)
+
+
+def group_of(key: bytes) -> int:
+    return int.from_bytes(key[-4:], "big") if len(key) >= 20 else 0
+
+
+def decode_index(value: Buffer | None) -> IndexRecord | None:
+    """An index record, or None when it is absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        return _INDEX_DECODER.decode(value)
+    except (msgspec.DecodeError, ValueError):
+        return None
+
+
+def encode_index(rec: IndexRecord) -> bytes:
+    return msgspec.msgpack.encode(rec)
+
+
+def index_record(key: bytes, info: codec.FrameInfo, stored_len: int, tick: int) -> IndexRecord:
+    """The index record of a frame stored under ``key``."""
+    return IndexRecord(raw_len=info.raw_len, stored_len=stored_len, codec=info.codec,
+                       checksum=info.checksum, tick=tick, group=group_of(key), dtype=info.dtype)
+
+
+# ---- totals ----------------------------------------------------------------------------------
+
+
+def read_totals(txn: lmdb.Transaction, h: Handles) -> Totals | None:
+    """The stored totals; None when the record is unreadable (recount them)."""
+    raw = txn.get(META_TOTALS, db=h.meta)
+    if raw is None:
+        return Totals()
+    try:
+        return _TOTALS_DECODER.decode(raw)
+    except (msgspec.DecodeError, ValueError):
+        return None
+
+
+def current_totals(txn: lmdb.Transaction, h: Handles) -> Totals:
+    """The stored totals, or a recount from the index when they are unreadable."""
+    totals = read_totals(txn, h)
+    return recount(txn, h)[0] if totals is None else totals
+
+
+def write_totals(txn: lmdb.Transaction, h: Handles, totals: Totals) -> None:
+    txn.put(META_TOTALS, msgspec.msgpack.encode(totals), db=h.meta)
+
+
+def recount(txn: lmdb.Transaction, h: Handles) -> tuple[Totals, list[bytes]]:
+    """Totals recomputed from the index, and the keys whose index records are unreadable."""
+    totals = Totals()
+    unreadable: list[bytes] = []
+    for key, value in txn.cursor(db=h.index):
+        rec = decode_index(value)
+        if rec is None:
+            unreadable.append(bytes(key))
+        else:
+            totals.add(rec)
+    return totals, unreadable
+
+
+# ---- one record --------------------------------------------------------------------------------
+
+
+def put(txn: lmdb.Transaction, h: Handles, key: bytes, frame: Buffer, rec: IndexRecord,
+        totals: Totals) -> None:
+    """Store ``frame`` under ``key`` with its index record, counted in ``totals``."""
+    txn.put(key, frame, db=h.payload)
+    txn.put(key, encode_index(rec), db=h.index)
+    totals.add(rec)
+
+
+def index_only(txn: lmdb.Transaction, h: Handles, key: bytes, rec: IndexRecord,
+               totals: Totals) -> None:
+    """Index ``key`` whose payload is already in place (a two-pass import), counted."""
+    txn.put(key, encode_index(rec), db=h.index)
+    totals.add(rec)
+
+
+def delete(txn: lmdb.Transaction, h: Handles, key: bytes, totals: Totals) -> int | None:
+    """Delete ``key``'s index record and payload; the stored bytes freed, None when neither
+    existed. An unreadable index record was never counted reliably: callers that drop one
+    recount the totals."""
+    value = txn.pop(key, db=h.index)
+    had_payload = txn.delete(key, db=h.payload)
+    if value is None:
+        return 0 if had_payload else None
+    rec = decode_index(value)
+    if rec is None:
+        return 0
+    totals.add(rec, -1)
+    return rec.stored_len
+
+
+def check_frame(rec: IndexRecord, key: bytes, payload: Buffer, *, decode: bool = True) -> str | None:
+    """The problem with ``payload`` as the frame indexed by ``rec`` under ``key``, or None.
+
+    ``decode`` runs the full decompression and the key-bound checksum; without it only sizes,
+    the frame header and the index record are compared.
+    """
+    if len(memoryview(payload)) != rec.stored_len:
+        return SIZE_MISMATCH
+    try:
+        info = codec.frame_info(payload)
+    except (codec.CorruptRecord, ValueError):
+        return FRAME_UNREADABLE
+    if (info.raw_len, info.checksum, info.codec, info.dtype) != (
+            rec.raw_len, rec.checksum, rec.codec, rec.dtype):
+        return FRAME_MISMATCH
+    if rec.group != group_of(key):
+        return GROUP_MISMATCH
+    if decode:
+        try:
+            codec.decode_into(payload, codec.scratch(rec.raw_len), key=key, info=info)
+        except (codec.CorruptRecord, ValueError):
+            return CHECKSUM
+    return None
+
+
+def check(txn: lmdb.Transaction, h: Handles, key: bytes, *, decode: bool = True) -> tuple[bool, str | None]:
+    """``(present, problem)`` for ``key`` in a transaction opened with ``buffers=True``.
+
+    ``present`` is False when neither an index record nor a payload exists (deleted meanwhile).
+    """
+    try:
+        value = txn.get(key, db=h.index)
+        payload = txn.get(key, db=h.payload)
+    except LMDB_DAMAGE:
+        return True, PAGE_DAMAGED
+    if value is None:
+        return (payload is not None, None if payload is None else ORPHAN_PAYLOAD)
+    rec = decode_index(value)
+    if rec is None:
+        return True, INDEX_UNREADABLE
+    if payload is None:
+        return True, PAYLOAD_MISSING
+    try:
+        return True, check_frame(rec, key, payload, decode=decode)
+    except LMDB_DAMAGE:
+        return True, PAGE_DAMAGED
+
+
+def read_into(txn: lmdb.Transaction, h: Handles, key: bytes, out: Buffer) -> int | str | None:
+    """Decode ``key``'s frame into ``out`` (the serving read): the bytes written, None for a
+    miss, or the problem with the record (never wrong bytes: the frame must match its index
+    record and decode under its own key). ValueError when ``out`` is too small."""
+    try:
+        value = txn.get(key, db=h.index)
+        if value is None:
+            return None
+        rec = decode_index(value)
+        if rec is None:
+            return INDEX_UNREADABLE
+        payload = txn.get(key, db=h.payload)
+        if payload is None:
+            return PAYLOAD_MISSING
+        if len(payload) != rec.stored_len:
+            return SIZE_MISMATCH
+        try:
+            info = codec.frame_info(payload)
+        except codec.CorruptRecord:
+            return FRAME_UNREADABLE
+        if (info.raw_len, info.checksum) != (rec.raw_len, rec.checksum):
+            return FRAME_MISMATCH
+        try:
+            return codec.decode_into(payload, out, key=key, info=info)
+        except codec.CorruptRecord:
+            return CHECKSUM
+    except LMDB_DAMAGE:
+        return PAGE_DAMAGED
+
+
+# ---- namespaces --------------------------------------------------------------------------------
+
+
+def namespaces(txn: lmdb.Transaction, h: Handles) -> tuple[dict[bytes, dict[str, Any]], list[bytes]]:
+    """The registered namespaces (fingerprint -> description), and the fingerprints whose
+    entries cannot be read."""
+    cursor = txn.cursor(db=h.meta)
+    out: dict[bytes, dict[str, Any]] = {}
+    bad: list[bytes] = []
+    found = cursor.set_range(META_NS)
+    while found and cursor.key().startswith(META_NS):
+        ns = bytes(cursor.key()[len(META_NS):])
+        try:
+            info = msgspec.json.decode(cursor.value())
+        except (msgspec.DecodeError, ValueError):
+            info = None
+        if isinstance(info, dict):
+            out[ns] = info
+        else:
+            bad.append(ns)
+        found = cursor.next()
+    return out, bad
+
+
+def namespace_info(txn: lmdb.Transaction, h: Handles, ns: bytes) -> dict[str, Any] | None:
+    raw = txn.get(META_NS + ns, db=h.meta)
+    if raw is None:
+        return None
+    try:
+        info = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def register_namespace(txn: lmdb.Transaction, h: Handles, ns: bytes, info: dict[str, Any],
+                       *, overwrite: bool = True) -> bool:
+    """Record ``ns`` and what it describes; True when written."""
+    return bool(txn.put(META_NS + ns, msgspec.json.encode(info), db=h.meta, overwrite=overwrite))
+
+
+def unregister_namespace(txn: lmdb.Transaction, h: Handles, ns: bytes) -> bool:
+    return bool(txn.delete(META_NS + ns, db=h.meta))
+
+
+# ---- scans -------------------------------------------------------------------------------------
+
+
+def scan_batch(txn: lmdb.Transaction, db: Any, after: bytes | None, *, prefix: bytes = b"",
+               values: bool = True, limit: int = SCAN_BATCH) -> list[tuple[bytes, bytes | None]]:
+    """Up to ``limit`` ``(key, value copy or None)`` of ``db`` after ``after`` (or from the
+    start of ``prefix``), in key order. Keys of the payload database are read without touching
+    their (overflow) value pages when ``values`` is False."""
+    cursor = txn.cursor(db=db)
+    found = cursor.set_range(after if after is not None else prefix)
+    if found and after is not None and cursor.key() == after:
+        found = cursor.next()
+    out: list[tuple[bytes, bytes | None]] = []
+    while found and len(out) < limit:
+        key = bytes(cursor.key())
+        if not key.startswith(prefix):
+            break
+        out.append((key, bytes(cursor.value()) if values else None))
+        found = cursor.next()
+    return out
+
+
+def index_batch(txn: lmdb.Transaction, h: Handles, after: bytes | None,
+                limit: int = SCAN_BATCH) -> tuple[list[tuple[bytes, IndexRecord]], list[bytes], bytes | None]:
+    """The next readable index records after ``after``, the keys of unreadable ones among them,
+    and the last key seen (None at the end)."""
+    rows = scan_batch(txn, h.index, after, limit=limit)
+    good: list[tuple[bytes, IndexRecord]] = []
+    bad: list[bytes] = []
+    for key, value in rows:
+        rec = decode_index(value)
+        if rec is None:
+            bad.append(key)
+        else:
+            good.append((key, rec))
+    return good, bad, rows[-1][0] if len(rows) == limit else None
+
+
+def key_namespaces(txn: lmdb.Transaction, h: Handles) -> list[bytes]:
+    """The distinct namespaces of the indexed keys: one cursor seek per namespace."""
+    cursor = txn.cursor(db=h.index)
+    out: list[bytes] = []
+    found = cursor.first()
+    while found:
+        ns = bytes(cursor.key()[:NAMESPACE_BYTES])
+        out.append(ns)
+        nxt = _successor(ns)
+        found = nxt is not None and cursor.set_range(nxt)
+    return out
+
+
+def _successor(prefix: bytes) -> bytes | None:
+    """The smallest byte string greater than every string starting with ``prefix``."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+def orphan_payloads(txn: lmdb.Transaction, h: Handles, keys: Sequence[bytes]) -> list[bytes]:
+    """Those of ``keys`` that have a payload and no index record."""
+    index, payload = txn.cursor(db=h.index), txn.cursor(db=h.payload)
+    return [k for k in keys if payload.set_key(k) and not index.set_key(k)]
+
+
+def iter_batched(items: Sequence[bytes] | Iterator[bytes], n: int) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
