@@ -392,9 +392,36 @@ def _successor(prefix: bytes) -> bytes | None:
 
 
 def orphan_payloads(txn: lmdb.Transaction, h: Handles, keys: Sequence[bytes]) -> list[bytes]:
-    """Those of ``keys`` that have a payload and no index record."""
-    index, payload = txn.cursor(db=h.index), txn.cursor(db=h.payload)
-    return [k for k in keys if payload.set_key(k) and not index.set_key(k)]
+    """Those of ``keys`` (payload keys found by a scan) that no index record is found for."""
+    index = txn.cursor(db=h.index)
+    return [k for k in keys if not index.set_key(k)]
+
+
+def reconcile(txn: lmdb.Transaction, h: Handles) -> int:
+    """Delete, where a cursor walk finds them, the index entries without a payload and the
+    payloads without an index entry, including entries a lookup by key cannot reach (damaged key
+    bytes put them out of the B-tree's order). Returns how many entries went."""
+    deleted = 0
+    for db, other in ((h.index, h.payload), (h.payload, h.index)):
+        cursor = txn.cursor(db=db)
+        found = cursor.first()
+        while found:
+            key = bytes(cursor.key())
+            if not key:  # deleting the last entry leaves the cursor past the end
+                break
+            if not (_reachable(txn, key, db) and _reachable(txn, key, other)):
+                found = cursor.delete()  # moves to the next entry
+                deleted += 1
+            else:
+                found = cursor.next()
+    return deleted
+
+
+def _reachable(txn: lmdb.Transaction, key: bytes, db: Any) -> bool:
+    try:
+        return txn.get(key, db=db) is not None
+    except lmdb.Error:  # e.g. a key whose damaged bytes LMDB refuses to look up
+        return False
 
 
 def iter_batched(items: Sequence[bytes] | Iterator[bytes], n: int) -> Iterator[list[bytes]]:

@@ -31,11 +31,14 @@ import lmdb
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tools import support as ts
+from kvstrata.tools.cli import CLIError
 
 # Records decoded per read transaction: short enough that a concurrent writer's freed pages are
 # not pinned for long (docs/STORAGE.md), long enough to amortise the transaction.
 _CHECK_BATCH = 16
 UNREACHABLE = "entry unreachable by its key (the key bytes are damaged)"
+# Problems --repair fixes by reconciling the index and payload databases with cursor walks.
+_RECONCILED = (UNREACHABLE, rec.ORPHAN_PAYLOAD, rec.PAYLOAD_MISSING)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,27 +145,12 @@ def find_problems(path: Path, threads: int) -> Findings:
         store.close()
 
 
-def _delete_by_scan(txn: lmdb.Transaction, db: Any, doomed: set[bytes]) -> int:
-    """Delete the entries of ``db`` whose keys are in ``doomed`` and that a lookup cannot reach,
-    where a cursor walk finds them (a damaged key is out of the B-tree's order)."""
-    cursor = txn.cursor(db=db)
-    deleted = 0
-    found = cursor.first()
-    while found:
-        key = bytes(cursor.key())
-        if key in doomed and txn.get(key, db=db) is None:
-            found = cursor.delete()  # moves to the next entry
-            deleted += 1
-        else:
-            found = cursor.next()
-    return deleted
-
-
 def repair(path: Path, found: Findings) -> dict[str, Any]:
-    """Drop the records of ``found`` that are still bad, the unreadable namespace entries, and
-    rewrite the totals from a recount."""
-    bad = [key for key, problem in found.bad if problem != UNREACHABLE]
-    unreachable = {key for key, problem in found.bad if problem == UNREACHABLE}
+    """Drop the records of ``found`` that are still bad, reconcile the two databases where
+    entries went missing or unreachable, remove the unreadable namespace entries, and rewrite
+    the totals from a recount."""
+    bad = [key for key, problem in found.bad if problem not in _RECONCILED]
+    reconcile = any(problem in _RECONCILED for _, problem in found.bad)
     store = ts.open_store(path, readonly=False)
     try:
         # An unclean store verifies itself in the background on open; let it finish first so
@@ -179,13 +167,19 @@ def repair(path: Path, found: Findings) -> dict[str, Any]:
                 elif problem is not None:
                     rec.delete(txn, h, key, totals)
                     dropped += 1
-            dropped += _delete_by_scan(txn, h.index, unreachable)
-            dropped += _delete_by_scan(txn, h.payload, unreachable)
+            if reconcile:
+                dropped += rec.reconcile(txn, h)
             namespaces = sum(rec.unregister_namespace(txn, h, ns) for ns in found.bad_namespaces)
             rec.write_totals(txn, h, rec.recount(txn, h)[0])
             return {"dropped": dropped, "already_gone": gone, "namespace_entries_removed": namespaces}
 
-        result = store.write(body, buffers=True)
+        try:
+            result = store.write(body, buffers=True)
+        except lmdb.Error as exc:
+            raise CLIError(
+                f"the structure of {path} is damaged beyond what --repair can mend ({exc}); "
+                f"nothing was changed. `kvstrata export {path} ARCHIVE` saves every sound record "
+                "for `kvstrata import` into a new store") from None
         store.sync()
     finally:
         store.close()
