@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvstrata.connector.config import StrataConfig
+from kvstrata.config import StrataConfig
 from kvstrata.connector.keys import namespace_info
 from kvstrata.connector.metadata import StrataMetadata
 from kvstrata.connector.plan import KVPlan, build_plan

@@ -50,7 +50,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.request import Request
 
-from kvstrata.connector.semantics import GroupGeometry, GroupKind
+from kvstrata.semantics import GroupGeometry, GroupKind
 from kvstrata.tiers.hierarchy import TIER_DISK, TIER_HOST
 
 MEDIUM_OF_TIER = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_STORAGE}

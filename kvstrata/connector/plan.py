@@ -23,9 +23,9 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvstrata.config import StrataConfig
 from kvstrata.connector import keys as keymod
-from kvstrata.connector.config import StrataConfig
-from kvstrata.connector.semantics import GroupGeometry, GroupKind, Layout
+from kvstrata.semantics import GroupGeometry, GroupKind, Layout
 
 
 @dataclass(frozen=True)

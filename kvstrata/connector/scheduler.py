@@ -20,7 +20,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from kvstrata.connector import semantics
+from kvstrata import semantics
 from kvstrata.connector.events import KVEvents
 from kvstrata.connector.metadata import (
     ChunkCopy,

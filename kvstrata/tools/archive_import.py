@@ -33,7 +33,7 @@ from typing import IO, Any
 import lmdb
 
 from kvstrata.compaction.archive import ArchiveError, ArchiveReader, ArchiveRecord, peek_summary
-from kvstrata.connector.config import DEFAULT_DISK_BYTES
+from kvstrata.config import DEFAULT_DISK_BYTES
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore, StoreUnavailableError

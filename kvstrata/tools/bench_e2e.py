@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.connector.config import parse_size
+from kvstrata.config import parse_size
 from kvstrata.tools.engine import EngineOptions, JobError, store_summary
 from kvstrata.tools.models import (
     ModelPrepError,
@@ -91,7 +91,7 @@ def _json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object of kvstrata options")
-    from kvstrata.connector.config import ConfigError, StrataConfig
+    from kvstrata.config import ConfigError, StrataConfig
 
     try:  # the engine would refuse it minutes later; say so now
         StrataConfig.from_extra_config(value)

@@ -42,7 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvstrata.connector.config import parse_size
+from kvstrata.config import parse_size
 from kvstrata.tools import ttft
 from kvstrata.tools.bench_e2e import (
     Contender,

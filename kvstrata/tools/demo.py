@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.connector.config import default_store_path, parse_size
+from kvstrata.config import default_store_path, parse_size
 from kvstrata.tools.engine import JobError, store_summary
 from kvstrata.tools.models import (
     ModelPrepError,

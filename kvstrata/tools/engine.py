@@ -59,7 +59,7 @@ class EngineOptions:
     # passed as ``llm_kwargs["kv_transfer_config"]``).
     store: str | None = None
     host_bytes: int = 256 << 20
-    # Further ``kv_connector_extra_config`` keys (kvstrata.connector.config.StrataConfig).
+    # Further ``kv_connector_extra_config`` keys (kvstrata.config.StrataConfig).
     extra_config: dict[str, Any] = field(default_factory=dict)
     # vLLM's kv_load_failure_policy for kvstrata: "recompute" streams disk hits, "fail" (vLLM's
     # default) makes kvstrata verify every chunk before it answers a hit.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.connector.config import DEFAULT_DISK_BYTES
+from kvstrata.config import DEFAULT_DISK_BYTES
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tools import support as ts

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.connector.config import DEFAULT_DISK_BYTES, DEFAULT_HOST_BYTES
+from kvstrata.config import DEFAULT_DISK_BYTES, DEFAULT_HOST_BYTES
 from kvstrata.tools import support as ts
 from kvstrata.tools.cli import CLIError
 
@@ -361,7 +361,7 @@ class _StoredCheck:
         self._hash_block = kv_cache_utils.hash_block_tokens
 
     def keys(self, ids: Sequence[int]) -> _PromptKeys:
-        from kvstrata.connector import semantics
+        from kvstrata import semantics
 
         tph = self.plan.tokens_per_hash
         hashes: list[bytes] = []
@@ -379,7 +379,7 @@ class _StoredCheck:
         return _PromptKeys(hashes, chunks, tail)
 
     def _hit(self, ids: Sequence[int], keys: _PromptKeys, store: Any | None) -> int:
-        from kvstrata.connector import semantics
+        from kvstrata import semantics
         from kvstrata.presence import Presence
 
         namespaces = self.plan.namespaces

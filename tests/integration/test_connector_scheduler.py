@@ -211,7 +211,7 @@ def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from kvstrata.connector import semantics
+    from kvstrata import semantics
 
     store = tmp_path / "persist"
     prompt = _prompt(96)
@@ -252,7 +252,7 @@ def test_stream_loads_true_under_the_fail_policy_is_refused_before_the_store_ope
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvstrata.connector.config import ConfigError
+    from kvstrata.config import ConfigError
     from kvstrata.connector.connector import StrataConnector
 
     store = tmp_path / "never-opened"
@@ -367,7 +367,7 @@ def test_52735_drafter_tail_is_stored_at_finish(runners) -> None:
 
 
 def test_unknown_option_is_an_error_naming_it(model_dir: Path, tmp_path: Path) -> None:
-    from kvstrata.connector.config import ConfigError
+    from kvstrata.config import ConfigError
 
     with pytest.raises(ConfigError, match="hots_bytes"):
         Runner([G("full", 16)], model_dir, tmp_path / "s", extra={"hots_bytes": 1})
@@ -564,7 +564,7 @@ def test_tensor_parallel_shards_come_back_from_disk_and_need_every_rank(runners,
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from kvstrata.connector import semantics
+    from kvstrata import semantics
 
     store = tmp_path / "persist"
     prompt = _prompt(100)
@@ -899,7 +899,7 @@ def _chunk_store_keys(r: Runner, prompt: list[int], rank: int = 0) -> list[bytes
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from kvstrata.connector import semantics
+    from kvstrata import semantics
 
     sched = r.connector.scheduler
     params = SamplingParams(max_tokens=1)

@@ -37,7 +37,8 @@ from vllm_offload_harness import (  # noqa: E402
     make_request,
 )
 
-from kvstrata.connector.semantics import (  # noqa: E402
+from kvstrata.presence import Presence  # noqa: E402
+from kvstrata.semantics import (  # noqa: E402
     ChunkTransfer,
     GroupGeometry,
     GroupKind,
@@ -52,7 +53,6 @@ from kvstrata.connector.semantics import (  # noqa: E402
     plan_store,
     round_down,
 )
-from kvstrata.presence import Presence  # noqa: E402
 
 NUM_LOOKUP_CASES = 3000
 NUM_STORE_TRACES = 400

@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.request import RequestStatus
 
-from kvstrata.connector.semantics import GroupGeometry, GroupKind, Layout
+from kvstrata.semantics import GroupGeometry, GroupKind, Layout
 
 _SEED_CONTEXT = ReqContext(req_id="seed")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.connector.config import ConfigError, StrataConfig, default_store_path, parse_size
+from kvstrata.config import ConfigError, StrataConfig, default_store_path, parse_size
 
 
 def test_defaults_need_no_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_stream_loads_true_is_refused_when_a_failed_load_would_fail_the_request(
 
 
 def test_io_threads_auto_is_one_per_usable_core_at_most_four(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvstrata.connector.config as config
+    import kvstrata.config as config
 
     cfg = StrataConfig.from_extra_config({})
     assert cfg.io_threads == "auto"

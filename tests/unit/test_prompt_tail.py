@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvstrata.connector.semantics import (
+from kvstrata.presence import Presence
+from kvstrata.semantics import (
     GroupGeometry,
     GroupKind,
     Layout,
@@ -18,7 +19,6 @@ from kvstrata.connector.semantics import (
     prompt_tail_keys,
     prompt_tail_start,
 )
-from kvstrata.presence import Presence
 
 
 def _fa(index: int = 0, tpb: int = 16, bpc: int = 1, drafter: bool = False) -> GroupGeometry:

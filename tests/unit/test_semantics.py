@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.connector.semantics import (
+from kvstrata.presence import Presence
+from kvstrata.semantics import (
     ChunkTransfer,
     GroupGeometry,
     GroupKind,
@@ -40,7 +41,6 @@ from kvstrata.connector.semantics import (
     window_run,
     worthwhile_hit,
 )
-from kvstrata.presence import Presence
 
 HIT, MISS, PENDING, RETRY = Presence.HIT, Presence.MISS, Presence.PENDING, Presence.RETRY
 

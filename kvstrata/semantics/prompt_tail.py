@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from kvstrata.connector.semantics.geometry import Layout, cdiv
-from kvstrata.connector.semantics.keys import make_key
-from kvstrata.connector.semantics.transfers import ChunkTransfer
 from kvstrata.presence import Presence
+from kvstrata.semantics.geometry import Layout, cdiv
+from kvstrata.semantics.keys import make_key
+from kvstrata.semantics.transfers import ChunkTransfer
 
 
 def prompt_tail_start(layout: Layout, num_prompt_tokens: int) -> int | None:

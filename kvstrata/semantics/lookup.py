@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from kvstrata.connector.semantics.geometry import GroupGeometry, Layout, cdiv, round_down
-from kvstrata.connector.semantics.keys import boundary_key
 from kvstrata.presence import Presence
+from kvstrata.semantics.geometry import GroupGeometry, Layout, cdiv, round_down
+from kvstrata.semantics.keys import boundary_key
 
 Probe = Callable[[Sequence[bytes]], Sequence[Presence]]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstrata.connector.semantics.geometry import GroupGeometry, Layout, cdiv
-from kvstrata.connector.semantics.keys import boundary_key
+from kvstrata.semantics.geometry import GroupGeometry, Layout, cdiv
+from kvstrata.semantics.keys import boundary_key
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ waited for (vLLM serves the complete hit alone); a request's ``max_offload_token
 no partial tail (vLLM reads 0 as "no cap" there).
 """
 
-from kvstrata.connector.semantics.geometry import (
+from kvstrata.semantics.geometry import (
     GroupGeometry,
     GroupKind,
     Layout,
@@ -107,8 +107,8 @@ from kvstrata.connector.semantics.geometry import (
     resolve_drafter_flags,
     round_down,
 )
-from kvstrata.connector.semantics.keys import boundary_key, chunk_keys, make_key
-from kvstrata.connector.semantics.lookup import (
+from kvstrata.semantics.keys import boundary_key, chunk_keys, make_key
+from kvstrata.semantics.lookup import (
     Probe,
     initial_cap,
     lookup_hit,
@@ -117,21 +117,21 @@ from kvstrata.connector.semantics.lookup import (
     window_run,
     worthwhile_hit,
 )
-from kvstrata.connector.semantics.prompt_tail import (
+from kvstrata.semantics.prompt_tail import (
     plan_prompt_tail_store,
     prompt_tail_end,
     prompt_tail_hit,
     prompt_tail_keys,
     prompt_tail_start,
 )
-from kvstrata.connector.semantics.store import (
+from kvstrata.semantics.store import (
     mamba_reachable_mask,
     offloadable_tokens,
     plan_store,
     sliding_reachable_mask,
     storable_chunks,
 )
-from kvstrata.connector.semantics.transfers import (
+from kvstrata.semantics.transfers import (
     ChunkTransfer,
     chunks_covered,
     first_fresh_block,

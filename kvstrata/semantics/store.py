@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvstrata.connector.semantics.geometry import GroupGeometry, GroupKind, Layout, cdiv
-from kvstrata.connector.semantics.transfers import ChunkTransfer
+from kvstrata.semantics.geometry import GroupGeometry, GroupKind, Layout, cdiv
+from kvstrata.semantics.transfers import ChunkTransfer
 
 
 def offloadable_tokens(

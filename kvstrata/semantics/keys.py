@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstrata.connector.semantics.geometry import GroupGeometry
+from kvstrata.semantics.geometry import GroupGeometry
 
 
 def make_key(block_hash: bytes, group_index: int) -> bytes:
