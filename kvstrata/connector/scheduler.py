@@ -31,7 +31,8 @@ from kvstrata.connector.metadata import (
 from kvstrata.connector.plan import KVPlan
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
-from kvstrata.tiers.hierarchy import chunk_group
+from kvstrata.tiers.hierarchy import TIER_DISK, chunk_group
+from kvstrata.tiers.manager import TierManager
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _request_cap(req: Request, name: str) -> int | None:
 
 class StrataScheduler:
     def __init__(
-        self, plan: KVPlan, hierarchy: Any, *, offload_prompt_only: bool, prefix_caching: bool,
+        self, plan: KVPlan, hierarchy: TierManager, *, offload_prompt_only: bool, prefix_caching: bool,
         stream_loads: bool = False, events: KVEvents | None = None,
     ):
         self.plan = plan
@@ -813,14 +814,13 @@ class StrataScheduler:
             "warm_promotions": int(h.get("warm_promotions", 0)),
             "writes_behind": int(h.get("writes_completed", 0)),
         }
-        disk = self.hierarchy.disk
-        if disk is not None:
-            d = disk.stats()
+        d = h.get("tiers", {}).get(TIER_DISK)
+        if d is not None and "error" not in d:
             out.update(
                 disk_entries=int(d["entries"]), disk_raw_bytes=int(d["raw_bytes"]),
                 disk_stored_bytes=int(d["stored_bytes"]), disk_evictions=int(d.get("evictions", 0)),
-                disk_admission_drops=int(d.get("admission_drops", 0)) + int(h.get("writes_dropped", 0)),
-                disk_errors=int(d.get("sync_errors", 0)) + int(h.get("writes_failed", 0)),
+                disk_admission_drops=int(d.get("admission_drops", 0)) + int(d.get("writes_dropped", 0)),
+                disk_errors=int(d.get("sync_errors", 0)) + int(d.get("writes_failed", 0)),
                 disk_corrupt=int(d.get("corrupt", 0)) + int(h.get("promotions_failed", 0)),
             )
         return out

@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 
 class DiskStore:
-    """Compressed LMDB store of KV chunks; see the module docstring and docs/DESIGN.md.
+    """Compressed LMDB store of KV chunks; see the module docstring and docs/DESIGN.md. A lower
+    tier of the hierarchy (``kvstrata.tiers.lower.ScannableTier``).
 
     ``budget_bytes`` caps the stored (compressed frame) bytes; the LMDB file is ~1.0-1.3x that.
     When a put would exceed it, the least recently used entries are evicted, ``evict_slack``
@@ -55,6 +56,8 @@ class DiskStore:
     ``readonly=True`` opens an existing store for reads only (no writer thread, no ticks).
     Every method is thread-safe.
     """
+
+    tier_name = "disk"
 
     def __init__(
         self,

@@ -1,0 +1,451 @@
+"""The tier hierarchy the scheduler-side connector talks to: host slots over lower tiers.
+
+Every scheduler call is non-blocking and O(keys): it updates the host index under one lock and
+hands tier work to the pipeline (``shared``): write-behind (``write_behind``), promotions
+(``promoter``) and the background scans after a restart (``background``). Lower tiers
+(``kvstrata.tiers.lower.LowerTier``: the local disk store, a shared remote store) are asked in
+order; a chunk is promoted from the first that holds all its shards.
+
+* **lookup**: a chunk only in a lower tier gets a host slot and starts its promotion at once,
+  answering PENDING (HIT under ``stream``: a streamed load waits on its ticket); MISS when the
+  host tier has no room. A full-attention run is probed as a prefix (nothing promoted past its
+  first missing chunk); chunks a request's lookup answered HIT are never evicted by its later
+  probes.
+* **events** (``events=True``): ``take_events()`` returns ``(tier, removed, chunk keys)``
+  batches — tier "host" or a lower tier's name — in the order they happened: a store completed or
+  a promotion landed (host, stored); an idle chunk evicted or reset (host, removed); a write-behind
+  completed (tier, stored); a record evicted, expired, dropped or deleted (tier, removed).
+
+Slot layout: shard ``r`` of a slot starts at ``r * shard_bytes``; for group ``g`` only its first
+``group_shard_bytes[g]`` bytes are meaningful and only those go down, as record
+``namespaces[r] + chunk_key`` (group = the key's last 4 bytes, big-endian).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from kvstrata.presence import Presence
+from kvstrata.tiers.hierarchy.background import Background
+from kvstrata.tiers.hierarchy.promoter import Promoter
+from kvstrata.tiers.hierarchy.shared import TIER_HOST, Pipeline, Shared, TierLink
+from kvstrata.tiers.hierarchy.write_behind import WriteBehind
+from kvstrata.tiers.host import HostPool
+from kvstrata.tiers.lower import LowerTier, all_shards_present
+
+logger = logging.getLogger(__name__)
+
+_ABSENT, _READY, _NOT_READY = HostPool.ABSENT, HostPool.READY, HostPool.NOT_READY
+_HIT, _PENDING, _MISS = Presence.HIT, Presence.PENDING, Presence.MISS
+# Indexed by HostPool.lookup_many's states (ABSENT=0, READY=1, NOT_READY=2).
+_BY_HOST_STATE = (_MISS, _HIT, _PENDING)
+
+
+class Hierarchy:
+    """Host tier index + lower tiers + the pipeline between them (see the module docstring).
+
+    Args:
+        host_pool: index over the shared slab (the pool must have its slab).
+        lower: the lower tiers, nearest first (a single tier, or None for a host-only cache).
+        namespaces: one store-key prefix per shard (TP rank), in shard order.
+        group_shard_bytes: meaningful bytes per shard for each group.
+        group_dtypes: codec dtype name per group (e.g. "bfloat16"; "int8" for Mamba pages).
+        shard_bytes: shard stride inside a slot; default ``slot_bytes // len(namespaces)``.
+        admit_after: write a chunk to a tier once it has been offered this many times (a
+            ``prepare_store`` of it, or a host hit on it at lookup); 1 = every stored chunk. One
+            value for every tier, or one per tier.
+        write_backpressure: "defer" (keep the slot, write when the tier catches up, up to
+            ``max_deferred_bytes`` per tier) or "drop".
+    """
+
+    def __init__(
+        self,
+        host_pool: HostPool,
+        lower: LowerTier | Sequence[LowerTier] | None,
+        *,
+        namespaces: Sequence[bytes],
+        group_shard_bytes: Sequence[int],
+        group_dtypes: Sequence[str],
+        shard_bytes: int | None = None,
+        admit_after: int | Sequence[int] = 1,
+        write_backpressure: Literal["defer", "drop"] = "defer",
+        max_write_inflight_bytes: int = 128 << 20,
+        max_deferred_bytes: int | None = None,
+        max_concurrent_reads: int = 4,
+        read_threads: int = 2,
+        write_threads: int = 1,
+        offer_tracker_size: int = 1 << 17,
+        events: bool = False,
+    ) -> None:
+        if write_backpressure not in ("defer", "drop"):
+            raise ValueError(f"write_backpressure must be 'defer' or 'drop', not {write_backpressure!r}")
+        tiers = [] if lower is None else list(lower) if isinstance(lower, (list, tuple)) else [lower]
+        admits = [admit_after] * len(tiers) if isinstance(admit_after, int) else list(admit_after)
+        if len(admits) != len(tiers):
+            raise ValueError(f"{len(admits)} admission thresholds for {len(tiers)} lower tiers")
+        links = [TierLink(t, i, max(1, a)) for i, (t, a) in enumerate(zip(tiers, admits, strict=True))]
+        s = self._s = Shared(
+            host_pool, links, namespaces=namespaces, group_shard_bytes=group_shard_bytes,
+            group_dtypes=group_dtypes, shard_bytes=shard_bytes, events=events,
+            offer_tracker_size=offer_tracker_size)
+        self.pool = host_pool
+        self.slab = s.slab
+        self.namespaces = s.namespaces
+        self.shard_bytes = s.shard_bytes
+        self._pipe = Pipeline(links, read_threads=read_threads, write_threads=write_threads,
+                              max_concurrent_reads=max_concurrent_reads)
+        self._writes = WriteBehind(
+            s, self._pipe, defer=write_backpressure == "defer",
+            max_write_inflight_bytes=max_write_inflight_bytes,
+            max_deferred_bytes=s.slab.nbytes // 4 if max_deferred_bytes is None else max_deferred_bytes)
+        self._promoter = Promoter(s, self._pipe, self._writes)
+        self._background = Background(s, self._pipe, self._promote_collecting, self.wait_promotions)
+        host_pool.on_evict = self._on_evict
+        for link in links:
+            link.tier.on_removed = lambda keys, link=link: self._on_tier_removed(link, keys)
+        self._pipe.start()
+
+    @property
+    def tiers(self) -> list[LowerTier]:
+        """The lower tiers, nearest first."""
+        return [link.tier for link in self._s.links]
+
+    # ---- scheduler API -----------------------------------------------------------------------
+
+    def lookup_many(
+        self,
+        keys: Sequence[bytes],
+        promoting: set[bytes] | None = None,
+        *,
+        stream: bool = False,
+        prefix: bool = False,
+        protect: set[bytes] | None = None,
+    ) -> list[Presence]:
+        """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
+
+        A chunk found only in a lower tier starts its promotion now and answers PENDING.
+        ``promoting`` collects the keys whose answer is a promotion (for per-tier hit figures).
+        ``stream``: a promotion in flight answers HIT instead; load such keys with
+        :meth:`prepare_streamed_load`. ``prefix``: the keys are a prefix run (only those before
+        the first MISS can be used), so no promotion starts past the first key that no tier
+        holds. ``protect``: keys an earlier probe of the same request's lookup answered HIT; a
+        promotion never evicts them (the request is about to load them).
+        """
+        return self._lookup(keys, count_offers=True, promoting=promoting, stream=stream,
+                            prefix=prefix, protect=protect)
+
+    def promote(self, keys: Sequence[bytes]) -> list[Presence]:
+        """Start promotions for chunks only in lower tiers (a lookup without bookkeeping)."""
+        return self._lookup(keys, count_offers=False)
+
+    def _promote_collecting(self, keys: Sequence[bytes], started: set[bytes]) -> list[Presence]:
+        return self._lookup(keys, count_offers=False, promoting=started)
+
+    def in_flight(self, keys: Sequence[bytes]) -> bool:
+        """Whether any of ``keys`` is still on its way into the host tier (a store or a
+        promotion): a lookup that was PENDING on them would be PENDING again."""
+        s = self._s
+        with s.lock:
+            return any(k in s.promoting or k in s.storing for k in keys)
+
+    def wait_promotions(self, keys: Sequence[bytes], timeout: float | None) -> bool:
+        """Block until none of ``keys`` is being promoted, at most ``timeout`` seconds; True
+        when none is. For an engine step that has nothing else to do."""
+        s = self._s
+        with s.landed:
+            return s.landed.wait_for(lambda: s.closed or s.promoting.isdisjoint(keys), timeout)
+
+    def warm_start(self, max_chunks: int) -> None:
+        """Promote, in the background, the ``max_chunks`` chunks of the first lower tier used
+        most recently into free host slots (see ``background``). Returns at once."""
+        self._background.warm_start(max_chunks)
+
+    def announce_disk(self) -> None:
+        """Report, in the background, every chunk the first lower tier holds for this model as
+        a tier change (see ``background``); nothing without events. Returns at once."""
+        self._background.announce()
+
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
+        """Host slots for the keys not present yet (they become PENDING), or None if the host
+        tier cannot make room for all of them (nothing is allocated then)."""
+        s = self._s
+        with s.lock:
+            if s.closed:
+                return None
+            new = list(dict.fromkeys(k for k in keys if k not in self.pool))
+            slots = self.pool.allocate(new, set(keys)) if new else []
+            if slots is None:
+                s.counts["store_no_room"] += 1
+                return None
+            s.storing.update(new)
+            for key in new:
+                s.offer(key)
+            s.counts["stores_prepared"] += len(new)
+            return dict(zip(new, slots, strict=True))
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        """The device -> host copies of ``keys`` finished: HIT (and queued for write-behind
+        where admitted), or dropped when ``success`` is False."""
+        s = self._s
+        start = []
+        with s.lock:
+            for key in keys:
+                if key not in s.storing:
+                    s.counts["store_unknown"] += 1
+                    continue
+                s.storing.discard(key)
+                if not success:
+                    self.pool.discard(key)
+                    s.counts["stores_failed"] += 1
+                    continue
+                self.pool.mark_ready(key)
+                self.pool.release(key)
+                s.bad.discard(key)
+                s.counts["stores_completed"] += 1
+                s.journal.add(TIER_HOST, False, [key])
+                start += self._writes.admitted(key, s.offers.get(key, 1))
+            self._writes.schedule(start)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin the (HIT) keys' slots for a host -> device load; returns their slots.
+
+        Raises KeyError (pinning nothing) if a key is not readable in the host tier.
+        """
+        s = self._s
+        with s.lock:
+            missing = [k for k in keys if not self.pool.is_ready(k)]
+            if missing:
+                raise KeyError(f"{len(missing)} chunk(s) not in the host tier, e.g. {missing[0].hex()}")
+            slots = [self.pool.acquire(k) for k in keys]
+            for key in keys:
+                self.pool.touch(key)
+            s.counts["loads_prepared"] += len(keys)
+            return slots
+
+    def prepare_streamed_load(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Pin the keys' slots for a host -> device load that may start before a promotion
+        landed; returns ``(slot, ticket)`` per key.
+
+        Ticket 0: the chunk is in the host tier now. A positive ticket: wait until the slab's
+        landing board shows it for the slot (``landed[slot] >> 1 >= ticket``; the chunk is
+        there when the value is exactly ``ticket << 1``, anything else means it failed). Ticket
+        -1: the chunk is gone already (its promotion failed since the lookup); the load fails.
+        Release every key with :meth:`complete_load` as usual.
+        """
+        s = self._s
+        with s.lock:
+            out = self._promoter.streamed(keys)
+            s.counts["loads_prepared"] += len(keys)
+            s.counts["loads_streamed"] += sum(1 for _, t in out if t > 0)
+        return out
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Unpin slots taken by ``prepare_load`` or ``prepare_streamed_load`` (once per key per
+        call)."""
+        with self._s.lock:
+            self._promoter.release(keys)
+
+    def reset(self) -> bool:
+        """Drop every idle host chunk (prefix-cache reset); lower tiers keep theirs.
+
+        Returns True when the host tier is now empty (nothing was in flight).
+        """
+        s = self._s
+        with s.lock:
+            self.pool.evict_idle()
+            s.offers.clear()
+            s.bad.clear()
+            return len(self.pool) == 0
+
+    def take_events(self) -> list[tuple[str, bool, list[bytes]]]:
+        """Tier changes since the last call, oldest first; [] when events are off."""
+        return self._s.journal.take()
+
+    def stats(self) -> dict[str, Any]:
+        """The hierarchy's counters, the host tier's figures, and each lower tier's own
+        statistics under ``tiers`` (by name), with its write-behind figures."""
+        s = self._s
+        with s.lock:
+            out: dict[str, Any] = dict(s.counts)
+            out.update(self._writes.stats(), promotions_inflight=len(s.promoting),
+                       stores_inflight=len(s.storing), host=self.pool.stats())
+            writes = {link.name: {f"writes_{k}": v for k, v in link.writes.items()} for link in s.links}
+        tiers: dict[str, Any] = {}
+        for link in s.links:  # outside the lock: a tier's statistics may read its store
+            try:
+                tiers[link.name] = {**link.tier.stats(), **writes[link.name]}
+            except Exception as exc:  # statistics never take the engine down
+                tiers[link.name] = {"error": f"{type(exc).__name__}: {exc}", **writes[link.name]}
+        out["tiers"] = tiers
+        return out
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish every accepted write (deferred ones too), then stop the pipeline.
+
+        Returns True when everything was written. ``timeout`` (seconds) bounds the wait for a
+        tier that stopped answering; writes still queued then are abandoned (logged). The pool's
+        slab and the lower tiers are not closed: they belong to the caller.
+        """
+        s = self._s
+        with s.lock:
+            if s.closed:
+                return True
+            s.closed = True
+            s.landed.notify_all()
+        drained = True
+        # Queued whether or not the loop runs yet: the I/O thread may not have reached
+        # run_forever() (a close right after construction on a busy machine), and a stop that
+        # was skipped then would leave the loop running forever and join() waiting on it.
+        done = asyncio.run_coroutine_threadsafe(self._writes.drain(), self._pipe.loop)
+        try:
+            done.result(timeout)
+        except TimeoutError:
+            drained = False
+            logger.warning("kvstrata: closing with disk write(s) unfinished after %.1fs", timeout)
+        self._pipe.stop(drained)
+        return drained
+
+    def __enter__(self) -> Hierarchy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- lookup internals ----------------------------------------------------------------------
+
+    def _lookup(
+        self,
+        keys: Sequence[bytes],
+        count_offers: bool,
+        promoting: set[bytes] | None = None,
+        stream: bool = False,
+        prefix: bool = False,
+        protect: set[bytes] | None = None,
+    ) -> list[Presence]:
+        # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
+        s = self._s
+        links = s.links
+        with s.lock:
+            if s.closed:
+                return [_MISS] * len(keys)
+            host = self.pool.lookup_many(keys)
+            states = [_BY_HOST_STATE[h] for h in host]
+            # Host hits of chunks a lower tier holds: tell the tier they were used, or its LRU
+            # (and max_age_s) would evict first the chunks served most often from the host tier.
+            used = [[k for k, h in zip(keys, host, strict=True) if h == _READY and k in link.resident]
+                    if link.resident else [] for link in links]
+            streamed = 0  # HIT answers that are promotions in flight (counted as pending)
+            if s.promoting and (promoting is not None or stream):
+                landing = [i for i, h in enumerate(host) if h == _NOT_READY and keys[i] in s.promoting]
+                if promoting is not None:
+                    promoting.update(keys[i] for i in landing)
+                if stream:
+                    for i in landing:
+                        states[i] = _HIT
+                    streamed += len(landing)
+            if count_offers and any(link.admit_after > 1 for link in links):
+                admitted = []
+                for k in (k for k, h in zip(keys, host, strict=True) if h == _READY):
+                    admitted += self._writes.admitted(k, s.offer(k))
+                self._writes.schedule(admitted)
+            bad = s.bad
+            candidates = ([i for i, h in enumerate(host) if h == _ABSENT and (not bad or keys[i] not in bad)]
+                          if links else [])
+            if not candidates:
+                self._count(states, streamed)
+        for link, ks in zip(links, used, strict=True):
+            if ks:
+                link.tier.touch_many([ns + k for k in ks for ns in self.namespaces])
+        if not candidates:
+            return states
+        source = self._find(keys, candidates, prefix)
+        self._start_promotions(keys, states, source, streamed, promoting, stream, protect)
+        return states
+
+    def _find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
+        """Which lower tier holds each candidate (every shard), asking the tiers in order
+        outside the lock; with ``prefix``, nothing past the first key no tier holds."""
+        source: dict[int, TierLink] = {}
+        rest = candidates
+        for link in self._s.links:
+            if not rest:
+                break
+            try:
+                found = all_shards_present(link.tier, self.namespaces, [keys[i] for i in rest])
+            except Exception:
+                logger.exception("kvstrata: %s lookup failed; treating as misses", link.name)
+                found = [False] * len(rest)
+            source.update((i, link) for i, f in zip(rest, found, strict=True) if f)
+            rest = [i for i, f in zip(rest, found, strict=True) if not f]
+        if prefix:
+            bad = self._s.bad
+            first_miss = min((i for i in rest), default=len(keys))
+            first_miss = min(first_miss, next((i for i in range(len(keys)) if keys[i] in bad), len(keys)))
+            source = {i: link for i, link in source.items() if i < first_miss}
+        return source
+
+    def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
+                          streamed: int, promoting: set[bytes] | None, stream: bool,
+                          protect: set[bytes] | None) -> None:
+        s = self._s
+        items = []
+        with s.lock:
+            protected: set[bytes] | None = None
+            room = not s.closed
+            for i in sorted(source):
+                key = keys[i]
+                st = self.pool.lookup_many((key,), touch=False)[0]
+                if st != _ABSENT:  # appeared meanwhile (a store, or a duplicate key)
+                    if st == _READY:
+                        states[i] = _HIT
+                    elif stream and key in s.promoting:
+                        states[i] = _HIT
+                        streamed += 1
+                    else:
+                        states[i] = _PENDING
+                    continue
+                if not room:
+                    s.counts["promote_no_room"] += 1
+                    continue
+                if protected is None:
+                    protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
+                    if protect:
+                        protected |= protect
+                slots = self.pool.allocate((key,), protected)
+                if slots is None:
+                    # The host tier is full of pinned chunks: answer MISS rather than PENDING
+                    # so that the request does not wait on a promotion that never starts.
+                    room = False
+                    s.counts["promote_no_room"] += 1
+                    continue
+                items.append(self._promoter.start(key, slots[0], source[i]))
+                states[i] = _HIT if stream else _PENDING
+                streamed += stream
+                if promoting is not None:
+                    promoting.add(key)
+            self._promoter.launch(items)
+            self._count(states, streamed)
+
+    def _count(self, states: list[Presence], streamed: int = 0) -> None:
+        c = self._s.counts
+        c["lookups"] += len(states)
+        c["lookup_hits"] += states.count(_HIT) - streamed
+        c["lookup_pending"] += states.count(_PENDING) + streamed
+
+    def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
+        for link in self._s.links:
+            link.resident.discard(key)
+        self._s.journal.add(TIER_HOST, True, [key])
+
+    def _on_tier_removed(self, link: TierLink, store_keys: list[bytes]) -> None:
+        # On the thread that deleted the records (the tier's writer, or a tool's): it takes no
+        # lock of ours, so a tier never waits on the hierarchy.
+        width = len(self.namespaces[0])
+        ours = set(self.namespaces)
+        keys = list(dict.fromkeys(k[width:] for k in store_keys if k[:width] in ours))
+        if keys:
+            self._writes.forget(link, keys)
+            self._s.journal.add(link.name, True, keys)

@@ -1,0 +1,128 @@
+"""Promotions: a chunk found only in a lower tier is read into a host slot in the background.
+
+At most ``max_concurrent_reads`` run at a time and a chunk is fetched once however often it is
+asked for. Each promotion gets a ticket; when it ends, the slab's landing board gets
+``ticket << 1 | failed`` for its slot, so a streamed load (a worker copying the slot before the
+promotion was known to have landed) copies only after reading its own ticket there. A failed
+or corrupt read makes the chunk a MISS (counted), never an exception, and its pins are recorded
+so that their release does not touch the key's next entry. A chunk promoted from one tier is
+written back into the tiers above it (a chunk found only remotely is kept on the local disk).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvstrata.tiers.hierarchy.shared import TIER_HOST, Pipeline, Shared, TierLink, chunk_group
+from kvstrata.tiers.hierarchy.write_behind import WriteBehind
+from kvstrata.tiers.host import board_fence
+
+logger = logging.getLogger(__name__)
+
+
+class Promoter:
+    def __init__(self, shared: Shared, pipeline: Pipeline, writes: WriteBehind) -> None:
+        self.s = shared
+        self.pipe = pipeline
+        self.writes = writes
+        # Streamed loads: the ticket of each promotion in flight, and load pins whose entry a
+        # failed promotion dropped (complete_load must not release them on a successor entry).
+        self.tickets: dict[bytes, int] = {}
+        self._next_ticket = 1
+        self.dead_pins: dict[bytes, int] = {}
+        shared.slab.landed[:] = 0  # tickets of an earlier engine on a reused slab file mean nothing
+
+    def start(self, key: bytes, slot: int, link: TierLink) -> tuple[bytes, int, TierLink]:
+        """Under the lock: ``key`` now has a host slot and is on its way from ``link``'s tier;
+        returns the promotion to hand to :meth:`launch` (still under the lock)."""
+        self.s.promoting.add(key)
+        self.tickets[key] = self._next_ticket
+        self._next_ticket += 1
+        link.resident.add(key)
+        return key, slot, link
+
+    def launch(self, items: list[tuple[bytes, int, TierLink]]) -> None:
+        """Under the lock (so that close() cannot slip in between): run these promotions."""
+        if items:
+            self.s.counts["promotions_started"] += len(items)
+            self.pipe.call_soon(self._start, items)
+
+    def _start(self, items: list[tuple[bytes, int, TierLink]]) -> None:
+        for key, slot, link in items:
+            self.pipe.spawn(self._promote(key, slot, link))
+
+    async def _promote(self, key: bytes, slot: int, link: TierLink) -> None:
+        async with self.pipe.read_sem:
+            ok = await self.pipe.loop.run_in_executor(link.read_pool, self._read, key, slot, link)
+        s = self.s
+        writes = []
+        with s.lock:
+            s.promoting.discard(key)
+            ticket = self.tickets.pop(key)
+            # The board is written before a failed slot can be handed out again (under the
+            # lock), and after the slot's bytes (the read thread's writes) are visible everywhere.
+            board_fence()
+            s.slab.landed[slot] = ticket << 1 | (not ok)
+            if ok:
+                s.pool.mark_ready(key)
+                s.pool.release(key)
+                s.counts["promotions_completed"] += 1
+                s.counts["read_bytes"] += s.chunk_bytes(key)
+                s.journal.add(TIER_HOST, False, [key])
+                # Keep it in the tiers above the one it came from (a remote hit on local disk).
+                above = s.links[: link.position]
+                if above:
+                    writes = self.writes.admitted(key, offers=max(x.admit_after for x in above), links=above)
+                    self.writes.schedule(writes)
+            else:
+                link.resident.discard(key)
+                pins = s.pool.refs(key) - 1
+                if pins > 0:
+                    self.dead_pins[key] = self.dead_pins.get(key, 0) + pins
+                s.pool.discard(key)
+                s.bad.add(key)
+                s.counts["promotions_failed"] += 1
+            s.landed.notify_all()
+
+    def _read(self, key: bytes, slot: int, link: TierLink) -> bool:
+        views = self.s.shard_views(slot, chunk_group(key))
+        try:
+            for ns, view in zip(self.s.namespaces, views, strict=True):
+                if link.tier.get_into(ns + key, view) != view.nbytes:
+                    return False
+        except Exception:
+            logger.exception("kvstrata: %s read of %s failed", link.name, key.hex())
+            return False
+        return True
+
+    # ---- loads (under the lock) ------------------------------------------------------------------
+
+    def streamed(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """``(slot, ticket)`` per key, pinned (see ``Hierarchy.prepare_streamed_load``)."""
+        out: list[tuple[int, int]] = []
+        pool = self.s.pool
+        for key in keys:
+            entry = pool.get(key)
+            ticket = self.tickets.get(key, 0)
+            if entry is None or not (entry[1] or ticket):
+                # Not there, or a store still in flight (never answered HIT): unloadable.
+                self.dead_pins[key] = self.dead_pins.get(key, 0) + 1
+                out.append((0, -1))
+                continue
+            out.append((pool.acquire(key), ticket))
+            pool.touch(key)
+        return out
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """Unpin load slots (once per key per call), skipping pins a failed promotion dropped."""
+        dead = self.dead_pins
+        for key in keys:
+            n = dead.get(key)
+            if n:
+                if n == 1:
+                    del dead[key]
+                else:
+                    dead[key] = n - 1
+                continue
+            self.s.pool.release(key)

@@ -1,0 +1,201 @@
+"""What every part of the hierarchy works on: one lock over the host index and the chunk states,
+the lower tiers' links, the counters, the tier-event journal, and the I/O pipeline (an asyncio
+loop on its own thread, with thread pools for the blocking reads and writes).
+
+Scheduler calls take the lock for O(keys) work only; anything that touches a lower tier runs on
+the pipeline (or, for presence checks, outside the lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.tiers.host import HostPool
+from kvstrata.tiers.lower import LowerTier
+
+TIER_HOST = "host"
+
+COUNTERS = (
+    "lookups", "lookup_hits", "lookup_pending", "stores_prepared", "stores_completed",
+    "stores_failed", "store_no_room", "store_unknown", "loads_prepared", "loads_streamed",
+    "promotions_started", "promotions_completed", "promotions_failed", "promote_no_room",
+    "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
+    "writes_deferred", "writes_dropped", "write_bytes",
+)
+
+
+def chunk_group(key: bytes) -> int:
+    """The KV cache group a chunk key belongs to (its last 4 bytes, big-endian)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+@dataclass(eq=False)
+class TierLink:
+    """One lower tier as the hierarchy sees it: its admission threshold, which resident host
+    chunks it is known to hold, and its write-behind backlog."""
+
+    tier: LowerTier
+    position: int  # 0 = the first tier below the host tier
+    admit_after: int  # offers (stores, host hits) before a chunk is written to this tier
+    resident: set[bytes] = field(default_factory=set)  # host chunks known to be in this tier
+    queued: set[bytes] = field(default_factory=set)  # being written, or deferred
+    deferred: deque[bytes] = field(default_factory=deque)
+    deferred_bytes: int = 0
+    inflight_bytes: int = 0
+    writes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("completed", "failed", "dropped", "deferred", "bytes"), 0))
+    # Threads of this tier's own (see Pipeline): a tier that stops answering holds up only
+    # its own reads and writes.
+    read_pool: ThreadPoolExecutor | None = None
+    write_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.tier.tier_name
+
+
+class Journal:
+    """Tier changes for KV cache events: ``(tier, removed, keys)`` batches in the order they
+    happened, or nothing at all when nobody listens."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._events: deque[tuple[str, bool, list[bytes]]] | None = deque() if enabled else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._events is not None
+
+    def add(self, tier: str, removed: bool, keys: list[bytes]) -> None:
+        # Single deque appends are atomic: tiers' own threads add without our lock.
+        if self._events is not None and keys:
+            self._events.append((tier, removed, keys))
+
+    def take(self) -> list[tuple[str, bool, list[bytes]]]:
+        events = self._events
+        out = []
+        while events:
+            out.append(events.popleft())
+        return out
+
+
+class Shared:
+    """The hierarchy's shared state (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: HostPool,
+        links: Sequence[TierLink],
+        *,
+        namespaces: Sequence[bytes],
+        group_shard_bytes: Sequence[int],
+        group_dtypes: Sequence[str],
+        shard_bytes: int | None,
+        events: bool,
+        offer_tracker_size: int,
+    ) -> None:
+        slab = pool.slab
+        if slab is None:
+            raise ValueError("the host pool needs its slab")
+        if not namespaces:
+            raise ValueError("at least one namespace (shard) is required")
+        if len(group_shard_bytes) != len(group_dtypes):
+            raise ValueError("group_shard_bytes and group_dtypes must have one entry per group")
+        self.pool = pool
+        self.slab = slab
+        self.links = list(links)
+        self.namespaces = [bytes(ns) for ns in namespaces]
+        self.shard_bytes = shard_bytes or slab.slot_bytes // len(self.namespaces)
+        if self.shard_bytes * len(self.namespaces) > slab.slot_bytes:
+            raise ValueError(f"{len(self.namespaces)} shards of {self.shard_bytes} bytes exceed the slot")
+        if max(group_shard_bytes) > self.shard_bytes:
+            raise ValueError(f"a group needs {max(group_shard_bytes)} bytes, shards hold {self.shard_bytes}")
+        self.group_shard_bytes = list(group_shard_bytes)
+        self.group_dtypes = list(group_dtypes)
+        self.lock = threading.Lock()
+        # Notified whenever a promotion lands (or fails): lets an idle engine wait for one
+        # instead of spinning through empty steps.
+        self.landed = threading.Condition(self.lock)
+        self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.closed = False
+        self.storing: set[bytes] = set()  # prepare_store'd, not completed
+        self.promoting: set[bytes] = set()  # lower tier -> host in flight
+        self.bad: set[bytes] = set()  # chunks whose promotion failed (until stored again)
+        self.journal = Journal(events)
+        # Offers of each chunk (stores, host hits), for the tiers' admission thresholds.
+        self.offers: OrderedDict[bytes, int] = OrderedDict()
+        self._offer_tracker_size = offer_tracker_size
+
+    def offer(self, key: bytes) -> int:
+        """Count one more offer of ``key`` (under the lock); its count."""
+        offers = self.offers
+        n = offers.get(key, 0) + 1
+        offers[key] = n
+        offers.move_to_end(key)
+        if len(offers) > self._offer_tracker_size:
+            offers.popitem(last=False)
+        return n
+
+    def chunk_bytes(self, key: bytes) -> int:
+        return self.group_shard_bytes[chunk_group(key)] * len(self.namespaces)
+
+    def shard_views(self, slot: int, group: int) -> list[memoryview]:
+        """Slot ``slot``'s meaningful bytes of ``group``, one view per shard."""
+        n = self.group_shard_bytes[group]
+        row = self.slab.array[slot]
+        return [memoryview(row[r * self.shard_bytes : r * self.shard_bytes + n])
+                for r in range(len(self.namespaces))]
+
+
+class Pipeline:
+    """The asyncio loop on its own thread, and per lower tier a read pool and a write pool: a
+    backlog of writes never delays a promotion the next step waits for, and a tier that stops
+    answering never holds up another tier's reads or writes."""
+
+    def __init__(self, links: Sequence[TierLink], *, read_threads: int, write_threads: int,
+                 max_concurrent_reads: int) -> None:
+        self.links = list(links)
+        for link in self.links:
+            link.read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvstrata-read-{link.name}")
+            link.write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix=f"kvstrata-write-{link.name}")
+        self.loop = asyncio.new_event_loop()
+        self.read_sem = asyncio.Semaphore(max_concurrent_reads)
+        self.max_concurrent_reads = max_concurrent_reads
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.thread = threading.Thread(target=self.run, name="kvstrata-io", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def spawn(self, coro: Any) -> None:
+        """On the loop thread: run ``coro`` as a task kept until it ends."""
+        task = self.loop.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        """From any thread: run ``fn(*args)`` on the loop thread."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def pending(self) -> list[asyncio.Task[None]]:
+        return [t for t in self.tasks if not t.done()]
+
+    def stop(self, drained: bool) -> None:
+        """Stop the loop and the pools (waiting for their work only if ``drained``)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        if drained:
+            self.loop.close()
+        for link in self.links:
+            for pool in (link.read_pool, link.write_pool):
+                if pool is not None:
+                    pool.shutdown(wait=drained)

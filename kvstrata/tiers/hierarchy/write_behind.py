@@ -1,0 +1,157 @@
+"""Write-behind: host chunks copied down into every lower tier that admits them.
+
+A chunk whose store to host completed (or that was promoted from a lower tier, for the tiers
+above the one it came from) and whose offers reach a tier's admission threshold is written to
+that tier, holding a reference on its host slot meanwhile. Per tier, at most
+``max_write_inflight_bytes`` are in flight; beyond that new writes are deferred (keeping their
+slot, up to ``max_deferred_bytes``) or dropped, and counted. Callers never wait on a tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvstrata.tiers.hierarchy.shared import Pipeline, Shared, TierLink, chunk_group
+
+logger = logging.getLogger(__name__)
+
+# (link, chunk key, host slot, group, bytes)
+Write = tuple[TierLink, bytes, int, int, int]
+
+
+class WriteBehind:
+    def __init__(
+        self,
+        shared: Shared,
+        pipeline: Pipeline,
+        *,
+        defer: bool,
+        max_write_inflight_bytes: int,
+        max_deferred_bytes: int,
+    ) -> None:
+        self.s = shared
+        self.pipe = pipeline
+        self.defer = defer
+        self.max_inflight = max_write_inflight_bytes
+        self.max_deferred = max_deferred_bytes
+
+    # ---- under the lock ------------------------------------------------------------------------
+
+    def admitted(self, key: bytes, offers: int, links: Sequence[TierLink] | None = None) -> list[Write]:
+        """Queue ``key`` (ready in the host tier, offered ``offers`` times) for every tier that
+        admits it now and does not hold it; returns the writes that may start at once."""
+        out = []
+        for link in self.s.links if links is None else links:
+            if offers >= link.admit_after and (item := self._admit(link, key)) is not None:
+                out.append(item)
+        return out
+
+    def _admit(self, link: TierLink, key: bytes) -> Write | None:
+        if self.s.closed or key in link.resident or key in link.queued:
+            return None
+        size = self.s.chunk_bytes(key)
+        if link.inflight_bytes == 0 or link.inflight_bytes + size <= self.max_inflight:
+            return self._claim(link, key, size)
+        if self.defer and link.deferred_bytes + size <= self.max_deferred:
+            self.s.pool.acquire(key)  # the slot must survive until the write runs
+            link.queued.add(key)
+            link.deferred.append(key)
+            link.deferred_bytes += size
+            link.writes["deferred"] += 1
+            self.s.counts["writes_deferred"] += 1
+            return None
+        link.writes["dropped"] += 1
+        self.s.counts["writes_dropped"] += 1
+        return None
+
+    def _claim(self, link: TierLink, key: bytes, size: int, pinned: bool = False) -> Write:
+        pool = self.s.pool
+        entry = pool.get(key)
+        slot = pool.acquire(key) if not pinned else entry[0]  # type: ignore[index]
+        link.queued.add(key)
+        link.inflight_bytes += size
+        self.s.counts["writes_started"] += 1
+        return link, key, slot, chunk_group(key), size
+
+    def schedule(self, items: list[Write]) -> None:
+        # Called under the lock: close() sets ``closed`` under it and then queues its drain,
+        # which therefore runs after every write accepted before.
+        if items:
+            self.pipe.call_soon(self._start, items)
+
+    def _pump(self, link: TierLink, force: bool = False) -> list[Write]:
+        """Deferred writes of ``link`` that fit now; ``force`` takes them all (drain)."""
+        out = []
+        while link.deferred:
+            key = link.deferred[0]
+            size = self.s.chunk_bytes(key)
+            if not force and link.inflight_bytes and link.inflight_bytes + size > self.max_inflight:
+                break
+            link.deferred.popleft()
+            link.deferred_bytes -= size
+            out.append(self._claim(link, key, size, pinned=True))
+        return out
+
+    def forget(self, link: TierLink, keys: Sequence[bytes]) -> None:
+        """The tier removed these chunks: a resident one is written again when admitted next
+        (or it would be lost at a restart). Called on the tier's thread, without our lock:
+        single set operations are atomic, and a race at worst repeats one write."""
+        link.resident.difference_update(keys)
+
+    # ---- loop thread ---------------------------------------------------------------------------
+
+    def _start(self, items: list[Write]) -> None:
+        for item in items:
+            self.pipe.spawn(self._write(*item))
+
+    async def _write(self, link: TierLink, key: bytes, slot: int, group: int, size: int) -> None:
+        ok = await self.pipe.loop.run_in_executor(link.write_pool, self._put, link, key, slot, group)
+        s = self.s
+        with s.lock:
+            link.inflight_bytes -= size
+            link.queued.discard(key)
+            s.pool.release(key)
+            if ok:
+                link.resident.add(key)
+                link.writes["completed"] += 1
+                link.writes["bytes"] += size
+                s.counts["writes_completed"] += 1
+                s.counts["write_bytes"] += size
+                s.journal.add(link.name, False, [key])
+            else:
+                link.writes["failed"] += 1
+                s.counts["writes_failed"] += 1
+            more = self._pump(link)
+        self._start(more)
+
+    def _put(self, link: TierLink, key: bytes, slot: int, group: int) -> bool:
+        dtype = self.s.group_dtypes[group]
+        entries = [(ns + key, view, dtype)
+                   for ns, view in zip(self.s.namespaces, self.s.shard_views(slot, group), strict=True)]
+        try:
+            return link.tier.put_many(entries) == len(entries)
+        except Exception:
+            logger.exception("kvstrata: %s write of %s failed", link.name, key.hex())
+            return False
+
+    async def drain(self) -> None:
+        """Every accepted write, deferred ones too (close)."""
+        while True:
+            with self.s.lock:
+                more = [item for link in self.s.links for item in self._pump(link, force=True)]
+            self._start(more)
+            pending = self.pipe.pending()
+            if not pending and not more:
+                return
+            await asyncio.wait(pending)
+
+    def stats(self) -> dict[str, int]:
+        """Backlog figures over all tiers (under the lock)."""
+        links = self.s.links
+        return {
+            "write_inflight_bytes": sum(link.inflight_bytes for link in links),
+            "write_deferred": sum(len(link.deferred) for link in links),
+            "write_deferred_bytes": sum(link.deferred_bytes for link in links),
+        }

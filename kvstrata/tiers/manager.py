@@ -1,0 +1,47 @@
+"""What the scheduler-side connector needs of the tiers, in the style of vLLM's
+``OffloadingManager``: look chunks up, prepare and complete stores and loads, and report tier
+changes and statistics. ``kvstrata.tiers.hierarchy.Hierarchy`` implements it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvstrata.presence import Presence
+
+
+class TierManager(Protocol):
+    def lookup_many(self, keys: Sequence[bytes], promoting: set[bytes] | None = None, *,
+                    stream: bool = False, prefix: bool = False,
+                    protect: set[bytes] | None = None) -> list[Presence]:
+        """HIT / PENDING / MISS per chunk key; chunks only in a lower tier start their
+        promotion (see ``Hierarchy.lookup_many``)."""
+        ...
+
+    def in_flight(self, keys: Sequence[bytes]) -> bool: ...
+
+    def wait_promotions(self, keys: Sequence[bytes], timeout: float | None) -> bool: ...
+
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
+        """Host slots for the chunks to store (all or nothing); {} when all are present."""
+        ...
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None: ...
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]: ...
+
+    def prepare_streamed_load(self, keys: Sequence[bytes]) -> list[tuple[int, int]]: ...
+
+    def complete_load(self, keys: Sequence[bytes]) -> None: ...
+
+    def reset(self) -> bool: ...
+
+    def warm_start(self, max_chunks: int) -> None: ...
+
+    def announce_disk(self) -> None: ...
+
+    def take_events(self) -> list[tuple[str, bool, list[bytes]]]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self, timeout: float | None = None) -> bool: ...
