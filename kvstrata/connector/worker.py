@@ -1,7 +1,8 @@
 """Worker side of the connector: copies pages between vLLM's KV tensors and host slots.
 
-The worker holds no cache state. It executes the scheduler's jobs through the ``DeviceStager``
-(dedicated copy streams on CUDA/XPU, plain copies on CPU) and reports which jobs finished.
+The worker holds no cache state. It executes the scheduler's jobs through the device stager
+``make_stager`` picks (``StreamStager``: dedicated copy streams on CUDA/XPU; ``CpuStager``: plain
+copies on CPU) and reports which jobs finished.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, TransferJob
 from kvstrata.connector.plan import KVPlan
-from kvstrata.tiers.device import DeviceStager, allow_amx_tiles
+from kvstrata.tiers.device import DeviceStager, allow_amx_tiles, make_stager
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.landing import LandingWaiter
 
@@ -43,7 +44,7 @@ class StrataWorker:
         # The stager indexes groups by position: give it every group of the engine (a chunk
         # copy names its vLLM group index); only offloaded groups ever appear in jobs.
         groups = self.kv_cache_config.kv_cache_groups
-        self.stager = DeviceStager(
+        self.stager = make_stager(
             kv_caches,
             [[n for n in g.layer_names if n in kv_caches] for g in groups],
             self.slab,

@@ -2,10 +2,10 @@
 
 On a machine with a CUDA (or XPU) device, in under five minutes:
 
-1. measures ``DeviceStager`` device -> host (store) and host -> device (load) throughput on a
-   vLLM-like KV cache (one int8 allocation, per-layer ``[B, H, N, 2D]`` bf16 views, scattered
-   block ids) into a pinned shared slab, against a plain pinned ``copy_`` of the same number of
-   bytes in the same run (a contiguous device tensor <-> a pinned host tensor);
+1. measures the ``StreamStager``'s device -> host (store) and host -> device (load) throughput
+   on a vLLM-like KV cache (one int8 allocation, per-layer ``[B, H, N, 2D]`` bf16 views,
+   scattered block ids) into a pinned shared slab, against a plain pinned ``copy_`` of the same
+   number of bytes in the same run (a contiguous device tensor <-> a pinned host tensor);
 2. runs the ``cuda``-marked tests (``pytest -m cuda``).
 
 Prints one JSON object. Without a device it says so and exits 0 (``--require-gpu``: exit 1).
@@ -47,6 +47,7 @@ def _timed(fn, sync, reps: int) -> float:
 def measure(args: argparse.Namespace, device: str) -> dict[str, Any]:
     import torch
 
+    from kvstrata.tiers.device import StreamStager
     from kvstrata.tiers.host import HostSlab, default_slab_path
     from kvstrata.tools.synthetic_kv import synthetic_kv
 
@@ -59,6 +60,8 @@ def measure(args: argparse.Namespace, device: str) -> dict[str, Any]:
     slab.unlink()
     try:
         stager = kv.stager(slab)
+        # The numbers are only meaningful for the stream path (not a CPU fallback).
+        assert isinstance(stager, StreamStager), f"got {type(stager).__name__} on {device}"
         transfers = kv.transfers()
         jobs = iter(range(1 << 30))
 

@@ -1,9 +1,12 @@
-"""DeviceStager on the real vLLM 0.32 KV layouts (built by vLLM's own placement and view code).
+"""Device stagers on the real vLLM 0.32 KV layouts (built by vLLM's own placement and view code).
 
 The KV caches come from ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``: one int8
 allocation, per-layer strided ``[B, H, N, C]`` views, groups overlaying the same bytes. Page bytes
 are checked against an independent reference: the ``KVCacheTensor`` placement formula
 ``offset + l * layer_stride + b * block_stride`` on the raw buffer.
+
+``CpuStager`` runs here; ``StreamStager``'s gather/scatter runs on CPU tensors through a stand-in
+for ``torch.cuda`` (``test_accelerator_path_logic_on_cpu``) and for real on a CUDA device.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.tiers.device import DeviceStager, Transfer, _coalesce
+from kvstrata.tiers.device import (
+    CpuStager,
+    DeviceStager,
+    StreamStager,
+    Transfer,
+    make_stager,
+)
+from kvstrata.tiers.device.cpu import _coalesce
 
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 kv_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
@@ -134,7 +144,7 @@ class Model:
 
 def _stager(model: Model, host: torch.Tensor, shard_index: int = 0, **kw) -> DeviceStager:
     shard = max(len(g) * BPC * p for g, p in zip(model.groups, model.pages, strict=True))
-    return DeviceStager(
+    return make_stager(
         model.caches,
         model.groups,
         host,
@@ -309,7 +319,7 @@ def test_bad_transfers_fail_the_job_without_raising():
 def test_page_size_mismatch_is_rejected():
     model = ALL_MODELS[0].values[0]
     with pytest.raises(ValueError, match="page"):
-        DeviceStager(
+        make_stager(
             model.caches,
             model.groups,
             _host(model),
@@ -325,7 +335,7 @@ def test_unusable_groups_fail_their_jobs_only():
     model = ALL_MODELS[0].values[0]
     _fill_random(model, 7)
     host = _host(model)
-    stager = DeviceStager(
+    stager = make_stager(
         model.caches,
         [*model.groups, []],  # plus a group without layers
         host,
@@ -339,6 +349,76 @@ def test_unusable_groups_fail_their_jobs_only():
     stager.store(2, [Transfer(len(model.groups), 0, 0, [1])])
     stager.store(3, [Transfer(1, 0, 0, [4])])
     assert stager.poll() == [(1, False), (2, False), (3, True)]
+
+
+# ---- backend choice ----------------------------------------------------------------------------
+
+
+def test_make_stager_picks_the_cpu_backend_for_cpu_tensors():
+    model = ALL_MODELS[0].values[0]
+    # The stream backend's options are accepted and ignored, so one call site serves every device.
+    stager = _stager(model, _host(model), max_stage_bytes=1 << 20, pin=False, copy_threads=2)
+    assert type(stager) is CpuStager and stager.copies_on_host
+    stager.close()
+
+
+def test_calling_the_base_builds_the_backend():
+    """``DeviceStager(...)`` (the single class callers used to build) still returns a working
+    stager for the tensors' device; the backends construct normally."""
+    model = ALL_MODELS[0].values[0]
+    host = _host(model)
+    stager = DeviceStager(
+        model.caches,
+        model.groups,
+        host,
+        num_blocks=model.num_blocks,
+        blocks_per_chunk=BPC,
+        shard_bytes=host.shape[1],
+        group_page_bytes=model.pages,
+        copy_threads=1,
+    )
+    assert type(stager) is CpuStager and isinstance(stager, DeviceStager)
+    stager.store(1, [Transfer(0, 0, 0, [1])])
+    assert stager.poll() == [(1, True)]
+
+
+def test_unsupported_device_is_rejected():
+    caches = {"l0": torch.empty((4, 2, 16, 64), dtype=torch.bfloat16, device="meta")}
+    with pytest.raises(ValueError, match="meta"):
+        make_stager(caches, [["l0"]], torch.zeros((1, 1 << 16), dtype=torch.uint8),
+                    num_blocks=4, blocks_per_chunk=BPC, shard_bytes=1 << 16)
+    with pytest.raises(ValueError, match="no KV cache tensors"):
+        make_stager({}, [], torch.zeros((1, 16), dtype=torch.uint8),
+                    num_blocks=4, blocks_per_chunk=BPC, shard_bytes=16)
+
+
+@pytest.mark.parametrize("model", ALL_MODELS[:4])
+def test_cpu_load_now_copies_one_chunk_synchronously(model: Model):
+    """The landing waiter's per-chunk copy: same bytes as ``load``, nothing left to wait for."""
+    _fill_random(model, 8)
+    host = _host(model)
+    stager = _stager(model, host)
+    g = len(model.groups) - 1
+    stager.store(1, [Transfer(g, 2, 1, [5, 6, 0])])
+    assert stager.poll() == [(1, True)]
+    want = {n: (model.page(n, g, 5).clone(), model.page(n, g, 6).clone()) for n in model.groups[g]}
+    stager.load_now((g, 2, 1, [9, 10, 0]))  # a plain tuple, as the landing waiter passes it
+    for n, (p5, p6) in want.items():
+        assert torch.equal(model.page(n, g, 9), p5) and torch.equal(model.page(n, g, 10), p6)
+    assert stager.poll() == [] and stager.pending == 0
+    stager.wait([1])  # no-ops on CPU: the copies are already done
+    stager.order_before_compute([1])
+    with pytest.raises(IndexError):
+        stager.load_now(Transfer(g, stager.num_slots, 0, [1]))
+    stager.close()
+
+
+def test_stream_stager_has_no_load_now():
+    model = ALL_MODELS[0].values[0]
+    stager = _fake_stream_stager(model, _host(model))
+    assert not stager.copies_on_host
+    with pytest.raises(RuntimeError, match="load_now"):
+        stager.load_now(Transfer(0, 0, 0, [1]))
 
 
 # ---- accelerator -------------------------------------------------------------------------------
@@ -357,7 +437,7 @@ def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
     shard = max(len(g) * BPC * p for g, p in zip(model.groups, model.pages, strict=True))
     slab = HostSlab(tmp_path / "slab", shard, 8)
     try:
-        stager = DeviceStager(
+        stager = make_stager(
             model.caches,
             model.groups,
             slab,
@@ -366,6 +446,7 @@ def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
             shard_bytes=shard,
             max_stage_bytes=3 * model.pages[0] * 2,
         )
+        assert isinstance(stager, StreamStager) and not stager.copies_on_host
         assert slab.pinned
         g = 1
         src = [[5, 1, 8, 2], [9, 0, 11]]  # a whole chunk and a partial one with a null block
@@ -407,6 +488,9 @@ class _FakeEvent:
 
 
 class _FakeStream:
+    def __init__(self, device=None) -> None:
+        pass
+
     def wait_stream(self, other) -> None:
         pass
 
@@ -419,6 +503,7 @@ class _FakeAccel:
     batched copies) on CPU tensors, synchronously."""
 
     Event = _FakeEvent
+    Stream = _FakeStream
 
     def current_stream(self, device=None) -> _FakeStream:
         return _FakeStream()
@@ -429,16 +514,30 @@ class _FakeAccel:
         return contextlib.nullcontext()
 
 
+def _fake_stream_stager(model: Model, host: torch.Tensor, **kw) -> StreamStager:
+    shard = max(len(g) * BPC * p for g, p in zip(model.groups, model.pages, strict=True))
+    return StreamStager(
+        model.caches,
+        model.groups,
+        host,
+        backend=_FakeAccel(),
+        num_blocks=model.num_blocks,
+        blocks_per_chunk=BPC,
+        shard_bytes=shard,
+        group_page_bytes=model.pages,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("model", ALL_MODELS[::3])
 def test_accelerator_path_logic_on_cpu(model: Model):
     """The CUDA/XPU gather/scatter (staging layout, whole-chunk and partial copies, batching
     under max_stage_bytes) checked bit-exactly without a GPU."""
     _fill_random(model, 6)
     host = _host(model, slots=4)
-    stager = _stager(model, host)
-    stager._accel, stager._mod = True, _FakeAccel()
-    stager._streams = {"store": _FakeStream(), "load": _FakeStream()}
-    stager.max_stage_bytes = 3 * len(model.groups[-1]) * model.pages[-1]  # forces several batches
+    stager = _fake_stream_stager(
+        model, host, max_stage_bytes=3 * len(model.groups[-1]) * model.pages[-1]
+    )  # the cap forces several batches
     g = len(model.groups) - 1
     src = [[5, 6, 1, 2], [9, 0, 11]]  # a whole chunk, and a partial one with a null block
     dst = [[20, 21, 22, 23], [30, 0, 31]]

@@ -1,0 +1,69 @@
+"""Device staging: copy whole KV block pages between vLLM's KV tensors and host slab slots.
+
+Runs in the worker process. One stager per backend, all behind ``DeviceStager``'s API:
+
+* ``StreamStager`` (``stream.py``): CUDA/XPU, dedicated copy streams, events polled, gather and
+  scatter through a device staging buffer;
+* ``CpuStager`` (``cpu.py``): CPU engines, memmove of page runs on the calling thread (a job's
+  chunks spread over a few threads), jobs complete synchronously.
+
+``make_stager`` picks one by the KV tensors' device. Shared geometry, validation and group
+discovery live in ``base.py``; page layout helpers in ``layout.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Unpack
+
+import torch
+
+from kvstrata.tiers.device.base import DeviceStager, StagerGeometry
+from kvstrata.tiers.device.cpu import CpuStager, allow_amx_tiles
+from kvstrata.tiers.device.layout import NULL_BLOCK, Transfer, kv_device
+from kvstrata.tiers.device.stream import StreamStager
+from kvstrata.tiers.host import HostSlab
+
+__all__ = [
+    "NULL_BLOCK",
+    "CpuStager",
+    "DeviceStager",
+    "StagerGeometry",
+    "StreamStager",
+    "Transfer",
+    "allow_amx_tiles",
+    "make_stager",
+]
+
+# Device types whose torch module has the stream/event API StreamStager drives.
+STREAM_DEVICES = ("cuda", "xpu")
+
+
+def make_stager(
+    kv_caches: Mapping[str, torch.Tensor],
+    group_layers: Sequence[Sequence[str]],
+    host: HostSlab | torch.Tensor,
+    *,
+    max_stage_bytes: int = 256 << 20,
+    pin: bool = True,
+    copy_threads: int | None = None,
+    **geometry: Unpack[StagerGeometry],
+) -> DeviceStager:
+    """The stager for ``kv_caches``' device (arguments: ``DeviceStager``, ``StreamStager``,
+    ``CpuStager``). Options of the other backend are accepted and ignored, so one call site
+    serves every device: ``max_stage_bytes`` and ``pin`` apply to CUDA/XPU, ``copy_threads``
+    to CPU."""
+    kind = kv_device(kv_caches).type
+    if kind in STREAM_DEVICES:
+        return StreamStager(
+            kv_caches,
+            group_layers,
+            host,
+            backend=getattr(torch, kind),
+            max_stage_bytes=max_stage_bytes,
+            pin=pin,
+            **geometry,
+        )
+    if kind == "cpu":
+        return CpuStager(kv_caches, group_layers, host, copy_threads=copy_threads, **geometry)
+    raise ValueError(f"no device stager for {kind!r} KV tensors (supported: cpu, cuda, xpu)")
