@@ -98,7 +98,7 @@ class StrataConfig:
     # step loop and its workers. "auto": one per core this process may use, at most
     # MAX_AUTO_IO_THREADS. More threads than cores lost on a 2-core machine: a 4096-token disk
     # load (32 records) finished decoding in 0.085-0.134 s with 2 threads, 0.112-0.179 s with 4
-    # and 0.139-0.164 s with 8, alternating runs of profile_disk_ttft.
+    # and 0.139-0.164 s with 8, alternating runs of benchmarks/profile_disk_ttft.py.
     io_threads: int | str = "auto"
     max_disk_write_backlog_bytes: int = 512 << 20
     offload_prompt_only: bool = True

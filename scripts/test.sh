@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/env.sh
-.venv/bin/ruff check kvstrata tests
+.venv/bin/ruff check kvstrata tests benchmarks
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,7 +1,7 @@
 """Namespaces that make stored KV interchangeable only with the KV it was made for.
 
 A chunk key (vLLM block hash ending the chunk + group index) says nothing about the model, dtype,
-layout or rank (reference R10/R14). Every store key is therefore prefixed with a 16-byte namespace:
+layout or rank (docs/SEMANTICS.md R10, R14). Every store key is therefore prefixed with a 16-byte namespace:
 a digest of everything that makes two servers' KV bytes interchangeable. Two servers that agree on
 all of it share chunks across restarts and hosts; any difference gives zero hits, never wrong KV.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 NAMESPACE_BYTES = 16
 # Hash algorithms whose NONE_HASH seed is fixed across processes unless PYTHONHASHSEED is set
-# differently (reference R11). xxhash* seeds are random per process without PYTHONHASHSEED.
+# differently (docs/SEMANTICS.md R11). xxhash* seeds are random per process without PYTHONHASHSEED.
 REPRODUCIBLE_HASH_ALGOS = frozenset({"sha256", "sha256_cbor"})
 # Weight files whose size and mtime identify a local checkpoint's contents cheaply.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -113,7 +113,7 @@ def weights_digest(model: str) -> str | None:
 
 
 def hash_seed_is_reproducible(hash_algo: str) -> bool:
-    """True when vLLM's block hashes are identical in every process (reference R11).
+    """True when vLLM's block hashes are identical in every process (docs/SEMANTICS.md R11).
 
     sha256/sha256_cbor hash a fixed seed unless PYTHONHASHSEED is set; xxhash* use a random seed per
     process unless PYTHONHASHSEED pins it. A set PYTHONHASHSEED is reproducible as long as every

@@ -153,7 +153,7 @@ def _default_shm_dir() -> Path:
 
 
 def _drafter_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> set[int]:
-    """Groups holding EAGLE/MTP drafter layers (reference R6).
+    """Groups holding EAGLE/MTP drafter layers (docs/SEMANTICS.md R6).
 
     Only groups vLLM annotated ``is_eagle_group``. With speculative decoding on and no annotated
     group (shared-group MTP models) no group is a drafter group: treating all groups as drafters is

@@ -75,7 +75,7 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 def synthetic_kv(
     nbytes: int, chunk_bytes: int, seed: int = 0, *, layers: int = 8, channels: int = 1024
 ) -> np.ndarray:
-    """bf16 KV with per-channel structure, as storage-facts.md §3.1 describes.
+    """bf16 KV with per-channel structure, as docs/STORAGE.md §3.1 describes.
 
     Chunks alternate K and V of successive layers. Keys: lognormal channel scales, non-zero
     channel means and 2% outlier channels x10; values: smaller scales, means near zero.

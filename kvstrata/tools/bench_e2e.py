@@ -11,8 +11,9 @@ Goals (issue 5) with >= 4096-token prompts: outputs identical, ``disk_vs_cold`` 
 ``disk_vs_host`` <= 1.5.
 
 The run is organised as *contenders* (a name, engine options, a store directory) measured in turn
-within each repetition, so that other backends (vLLM's own fs tier, its in-memory prefix cache)
-can be added as further contenders and compared on the same engine, model and prompt.
+within each repetition, so that other backends can be compared on the same engine, model and
+prompt: ``benchmarks/bench_vs_vllm.py`` in the repository (not installed) adds vLLM's own fs tier
+and its in-memory prefix cache that way.
 """
 
 from __future__ import annotations
@@ -45,22 +46,17 @@ _TIMINGS = ("cold_ttft_s", "host_ttft_s", "disk_ttft_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=None,
-                        help="prompt length in tokens (default 4096; at most SmolLM2's 8192-token "
-                             "context minus --max-tokens); with "
-                             "--vs-vllm-fs one or more lengths (default 2048 4096 8192)")
+    parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
+                        help="prompt length in tokens (default %(default)s; at most SmolLM2's "
+                             "8192-token context minus --max-tokens)")
     parser.add_argument("--max-tokens", type=int, default=16,
                         help="tokens generated per request, compared for identity (default %(default)s)")
-    parser.add_argument("--repeat", "--repeats", dest="repeat", type=int, default=None,
-                        help="repetitions, each on a fresh store; figures are medians (default 1; "
-                             "3 with --vs-vllm-fs)")
-    parser.add_argument("--kvstrata-config", type=_json_object, default={}, metavar="JSON",
+    parser.add_argument("--repeat", "--repeats", dest="repeat", type=int, default=1,
+                        help="repetitions, each on a fresh store; figures are medians "
+                             "(default %(default)s)")
+    parser.add_argument("--kvstrata-config", type=json_object, default={}, metavar="JSON",
                         help="further kvstrata options (kv_connector_extra_config), e.g. "
                              "'{\"codec\": \"raw\"}' to trade disk bytes for decode time")
-    parser.add_argument("--vs-vllm-fs", action="store_true",
-                        help="side by side against vLLM's own fs disk tier (OffloadingConnector + "
-                             "TieringOffloadingSpec, run on CPU with a copy worker of the bench's "
-                             "own) and vLLM's own prefix-cache hit, alternating (issue 7)")
     parser.add_argument("--store", type=Path, default=None,
                         help="parent directory for the benchmark stores (default: a temporary "
                              "directory, removed afterwards)")
@@ -78,13 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warmup", action="store_true",
                         help="time each process's very first prefill too (by default a warm-up "
                              "request with kvstrata bypassed absorbs one-time kernel setup)")
-    # The --vs-vllm-fs mode's own options (added last: it skips the names defined above).
-    from kvstrata.tools import bench_vs_vllm
-
-    bench_vs_vllm.add_arguments(parser)
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
+    """``--kvstrata-config``: a JSON object of kvstrata options, checked as the engine would."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -177,15 +170,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt
 
-    if args.vs_vllm_fs:
-        from kvstrata.tools import bench_vs_vllm
-
-        return bench_vs_vllm.run(args)
-    lengths = args.prompt_tokens or [DEFAULT_PROMPT_TOKENS]
-    if len(lengths) != 1:
-        raise CLIError("give one --prompt-tokens (several lengths only with --vs-vllm-fs)")
-    args.prompt_tokens = lengths[0]
-    args.repeat = 1 if args.repeat is None else args.repeat
     try:
         check_smollm2_prompt(args.prompt_tokens, args.max_tokens)
     except ValueError as exc:

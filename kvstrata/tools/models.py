@@ -285,8 +285,8 @@ def make_tiny_gemma3(out: Path, *, seed: int = 0, dtype: str = "float32",
 def make_tiny_qwen3_next(out: Path, *, seed: int = 0) -> Path:
     """Qwen3-Next: Gated DeltaNet + full attention (a Mamba-style group and an attention group).
 
-    vLLM's CPU path needs bf16, linear-attention head dim 128 and at least one MoE layer
-    (docs: vllm-on-cpu.md); layer 0 is the MoE one, layer 1 a dense MLP.
+    vLLM 0.32's CPU path needs bf16 (its GDN kernel's only dtype), linear-attention head dim 128
+    and at least one MoE layer; layer 0 is the MoE one, layer 1 a dense MLP.
     """
     from transformers import Qwen3NextConfig
 

@@ -65,7 +65,7 @@ def test_restart_serves_first_request_from_disk(scenario: Scenario) -> None:
         assert kvstrata_hits(disk) == kvstrata_hits(scenario.first["host"]), dump(disk["metrics"])
     if scenario.case.serves_prompt_tails:
         # None of the prompts ends on a block boundary: the two unrelated ones are served to the
-        # end of their tails, the whole prompt or one token short with a window (R21). (The third
+        # end of their tails, the whole prompt or one token short with a window (docs/SEMANTICS.md R21). (The third
         # shares the first's 1000 tokens: with 2-block chunks vLLM's own cache then holds half a
         # chunk of it, and a chunk is loaded only with at least a chunk beyond the local hit.)
         end = 1 if scenario.case.window else 0

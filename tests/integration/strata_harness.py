@@ -1,4 +1,4 @@
-"""Drive vLLM 0.32.0's real Scheduler with kvstrata's connector on CPU (reference §5.1).
+"""Drive vLLM 0.32.0's real Scheduler with kvstrata's connector on CPU (docs/SEMANTICS.md §5.1).
 
 The scheduler is vLLM's own (real block pool, prefix cache, hybrid KV cache manager); the worker is
 kvstrata's real worker connector over real CPU KV tensors allocated exactly as vLLM allocates them.

@@ -1,8 +1,8 @@
-"""kvstrata's connector under vLLM 0.32.0's real Scheduler (reference §5), on CPU.
+"""kvstrata's connector under vLLM 0.32.0's real Scheduler (docs/SEMANTICS.md §5), on CPU.
 
 Every scenario stores through a real request, finishes it, drops vLLM's GPU prefix cache, and checks
 the next request is served the number of tokens the rules give (worked out in each test) — with the
-loaded pages checked byte-for-byte by the harness.
+loaded pages checked byte-for-byte by the harness. R<n> are the rules of docs/SEMANTICS.md.
 """
 
 from __future__ import annotations

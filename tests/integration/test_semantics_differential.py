@@ -9,6 +9,8 @@ offered, the blocks copied and the per-group scan positions must equal vLLM's.
 
 Lookups include layouts with partial tails (R7, R30): hits that end inside a block at a boundary
 every group stored, and their load plans, must equal vLLM's too.
+
+R<n> and the worked examples (E7) are those of docs/SEMANTICS.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Drive vLLM 0.32.0's own ``OffloadingConnectorScheduler`` from a kvstrata ``Layout``.
 
-Scheduler-logic only (reference §5.1 "Pure scheduler-logic tests"): a ``SimpleNamespace`` offloading
+Scheduler-logic only (docs/SEMANTICS.md §5.1, pure scheduler-logic tests): a ``SimpleNamespace`` offloading
 spec, a real ``CPUOffloadingManager`` and ``MagicMock`` requests; no engine, no worker. Imports vLLM
 (and torch): import it only from tests that skip without vLLM.
 """

@@ -8,14 +8,12 @@ import pytest
 from kvstrata.tools.cli import build_parser, main
 
 
-def test_bench_e2e_takes_the_side_by_side_options() -> None:
+def test_bench_e2e_options() -> None:
     parser = build_parser()
     plain = parser.parse_args(["bench", "e2e", "--json"])
-    assert (plain.prompt_tokens, plain.repeat, plain.vs_vllm_fs, plain.in_process) == (None, None, False, False)
-    side = parser.parse_args(["bench", "e2e", "--vs-vllm-fs", "--prompt-tokens", "4096", "8192",
-                              "--repeats", "2", "--vllm-copy-threads", "2"])
-    assert (side.prompt_tokens, side.repeat, side.vs_vllm_fs, side.vllm_copy_threads) == ([4096, 8192], 2, True, 2)
+    assert (plain.prompt_tokens, plain.repeat, plain.in_process) == (4096, 1, False)
     assert parser.parse_args(["bench", "e2e", "--repeat", "3"]).repeat == 3  # both spellings
+    assert parser.parse_args(["bench", "e2e", "--repeats", "2"]).repeat == 2
     assert parser.parse_args(["bench", "e2e", "--kvstrata-config", '{"codec": "raw"}']).kvstrata_config == {
         "codec": "raw"}
 
@@ -31,12 +29,20 @@ def test_bench_e2e_checks_kvstrata_options_up_front(value, message, capsys) -> N
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["--vs-vllm-fs"],  # the side-by-side comparison lives in benchmarks/bench_vs_vllm.py
+    ["--prompt-tokens", "2048", "4096"],  # one length
+])
+def test_bench_e2e_refuses_what_moved_to_benchmarks(argv, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "e2e", *argv])
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--prompt-tokens", "2048", "4096"], "several lengths only with --vs-vllm-fs"),
     (["--prompt-tokens", "10"], "--prompt-tokens must be between 64 and 8176"),
     (["--prompt-tokens", "8100", "--max-tokens", "100"], "between 64 and 8092"),
     (["--repeat", "0"], "--repeat must be at least 1"),
-    (["--vs-vllm-fs", "--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bench_e2e_rejects_bad_options_before_starting_anything(argv, message, capsys) -> None:
     assert main(["bench", "e2e", *argv]) != 0

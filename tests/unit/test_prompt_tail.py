@@ -128,7 +128,7 @@ def test_other_layouts_are_unchanged() -> None:
 
 
 def test_a_sliding_window_group_is_extended_with_its_tail_one_token_short() -> None:
-    # R21: vLLM allocates a whole-prompt hit before rewinding, and its window manager would null
+    # R21 (docs/SEMANTICS.md): vLLM allocates a whole-prompt hit before rewinding, and its window manager would null
     # a block the recomputed token attends; windowed layouts stop at N - 1 (issue 22, defect 1).
     sw = Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_window=32)))
     hit, probe = _hit(sw)

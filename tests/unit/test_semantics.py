@@ -1,5 +1,6 @@
-"""kvstrata's pure store/lookup semantics: the worked examples of the connector reference (§3),
-drafter widening and tail handling, the three defects of vLLM issue 52735, and properties.
+"""kvstrata's pure store/lookup semantics: the worked examples of docs/SEMANTICS.md §3 (whose rules
+R<n> and examples E1, E3 the tests cite), drafter widening and tail handling, the three defects of
+vLLM issue 52735, and properties.
 
 Baseline "E": 16-token blocks, 2 blocks per chunk (32-token chunks), 16-token hashes.
 """

@@ -1,12 +1,15 @@
-"""``kvstrata bench e2e --vs-vllm-fs``: kvstrata against vLLM's own disk tier, side by side (issue 7).
+"""kvstrata against vLLM's own disk tier, side by side (issue 7).
+
+``.venv/bin/python -m benchmarks.bench_vs_vllm --prompt-tokens 4096 8192 --repeats 3`` from the
+repository root (it was ``kvstrata bench e2e --vs-vllm-fs``; it prints one JSON object).
 
 SmolLM2-135M-Instruct on vLLM (CPU), the same real-text prompts through three set-ups on the same
 engine settings, alternating within each repetition so slow drifts of a shared machine hit them
 alike:
 
-* **kvstrata** (``bench_e2e``'s contender) and **vLLM's fs tier** (``OffloadingConnector`` +
-  ``TieringOffloadingSpec`` with ``secondary_tiers=[{"type": "fs"}]``, run on CPU by
-  :mod:`kvstrata.tools.vllm_fs_baseline`'s copy worker), each through the phases of
+* **kvstrata** (``kvstrata bench e2e``'s contender) and **vLLM's fs tier** (``OffloadingConnector``
+  + ``TieringOffloadingSpec`` with ``secondary_tiers=[{"type": "fs"}]``, run on CPU by
+  :mod:`benchmarks.vllm_fs_baseline`'s copy worker), each through the phases of
   :func:`kvstrata.tools.ttft.measure`: process 1 runs the prompt cold, then again after
   ``reset_prefix_cache()`` (served by kvstrata's host tier / vLLM's CPU tier); process 2, a real
   restart with the page cache dropped, runs it once more (served from disk). As there, each
@@ -46,6 +49,7 @@ from kvstrata.config import parse_size
 from kvstrata.tools import ttft
 from kvstrata.tools.bench_e2e import (
     Contender,
+    json_object,
     kvstrata_contender,
     measure_contender,
     smollm2,
@@ -71,9 +75,8 @@ RESERVED_CPU_ENV, CONNECTOR_RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU", 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of this mode. Options the parser already has (``bench e2e`` defines several of
-    the same names) are left as they are, so this can extend ``bench e2e``'s parser or stand
-    alone."""
+    """This benchmark's options. Options the parser already has are left as they are, so that
+    ``benchmarks.profile_disk_ttft`` can add these to its own (it defines ``--prompt-tokens``)."""
     have = set(parser._option_string_actions)  # argparse has no public query for this
 
     def add(flag: str, **kw: Any) -> None:
@@ -89,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  f"are medians (default {DEFAULT_REPEATS})")
     add("--max-tokens", type=int, default=16,
         help="tokens generated per request, compared for identity (default %(default)s)")
+    add("--kvstrata-config", type=json_object, default={}, metavar="JSON",
+        help="further kvstrata options (kv_connector_extra_config), e.g. "
+             "'{\"codec\": \"raw\"}' to trade disk bytes for decode time")
     add("--store", type=Path, default=None,
         help="parent directory for the stores (default: a temporary directory, removed after)")
     add("--model-cache", type=Path, default=None,
@@ -131,8 +137,8 @@ def vllm_fs_contender(model: Path, args: argparse.Namespace) -> Contender:
     gets kvstrata's host-tier budget (``--host-bytes``)."""
 
     def options(store: Path) -> EngineOptions:
-        # Imported here: the baseline module imports vLLM, and ``kvstrata --help`` must not.
-        from kvstrata.tools.vllm_fs_baseline import fs_transfer_config
+        # Imported here: the baseline module imports vLLM, which ``--help`` need not wait for.
+        from benchmarks.vllm_fs_baseline import fs_transfer_config
 
         opts = plain_options(model, args)
         opts.llm_kwargs = {"kv_transfer_config": fs_transfer_config(
@@ -182,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt
 
-    # ``bench e2e``'s parser may hand over one length, a list, or None (not given).
+    # One length (a parser that defines --prompt-tokens as one int), a list, or None.
     given = args.prompt_tokens
     lengths = list(DEFAULT_PROMPT_TOKENS) if given is None else (
         list(given) if isinstance(given, list) else [given])
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise CLIError(f"--repeats must be >= 1 and every --prompt-tokens >= {MIN_PROMPT_TOKENS}")
 
     def say(msg: str) -> None:
-        print(f"bench e2e --vs-vllm-fs: {msg}", file=sys.stderr, flush=True)
+        print(f"bench_vs_vllm: {msg}", file=sys.stderr, flush=True)
 
     model = smollm2(args, say)
     # The engines are child processes: they inherit this (see the module docstring).
@@ -323,12 +329,23 @@ def _run_figures(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvstrata.tools.bench_vs_vllm [options]``: the same as the CLI mode."""
+    """``python -m benchmarks.bench_vs_vllm [options]``: prints one JSON object."""
     import json
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from kvstrata.tools.cli import CLIError
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_vs_vllm",
+                                     description=__doc__.splitlines()[0])
     add_arguments(parser)
-    print(json.dumps(run(parser.parse_args(argv)), indent=2))
+    parser.add_argument("--json", action="store_true",
+                        help="print the JSON object on one line (default: indented)")
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except CLIError as exc:
+        print(f"bench_vs_vllm: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, default=str, indent=None if args.json else 2))
     return 0
 
 

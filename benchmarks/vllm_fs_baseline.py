@@ -1,4 +1,7 @@
-"""vLLM's own disk tier on a CPU engine: the baseline kvstrata is compared against (issue 7).
+"""vLLM's own disk tier on a CPU engine: the baseline kvstrata is compared against.
+
+Used by ``benchmarks/bench_vs_vllm.py`` and ``benchmarks/profile_disk_ttft.py`` (issue 7); not
+part of the installed package.
 
 vLLM 0.32.0 ships a disk tier: ``OffloadingConnector`` with ``TieringOffloadingSpec`` and
 ``secondary_tiers=[{"type": "fs", "root_dir": ...}]``. Its CPU (primary) tier lives in a shared
@@ -17,13 +20,14 @@ and file format are vLLM's, untouched. Load it with::
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "CPUCopyTieringSpec",
-            "spec_module_path": "kvstrata.tools.vllm_fs_baseline",
+            "spec_module_path": "benchmarks.vllm_fs_baseline",
             "cpu_bytes_to_use": N,
             "secondary_tiers": [{"type": "fs", "root_dir": DIR}],
         },
     }
 
-(:func:`fs_transfer_config` builds it.) Copies run synchronously inside ``submit_*``: on a CPU
+(:func:`fs_transfer_config` builds it, and puts the repository root on ``PYTHONPATH`` so that
+the engine processes vLLM starts can import this module by that name.) Copies run synchronously inside ``submit_*``: on a CPU
 engine there is no copy engine to overlap with, the forward pass cannot start before a load has
 landed anyway, and a store reads blocks whose forward already finished. ``get_finished`` then
 reports each job in the same engine step, so no step is spent polling. The extra key
@@ -56,20 +60,25 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from benchmarks._env import export_repo_root
 from kvstrata.tiers.device import allow_amx_tiles
 
 SPEC_NAME = "CPUCopyTieringSpec"
-SPEC_MODULE = "kvstrata.tools.vllm_fs_baseline"
+SPEC_MODULE = "benchmarks.vllm_fs_baseline"
 
 _memmove = ctypes.memmove
 
 
 def fs_transfer_config(root_dir: str, *, cpu_bytes: int, **extra: Any) -> dict[str, Any]:
-    """The ``kv_transfer_config`` running vLLM's CPU + fs tiers with :class:`CPUCopyTieringSpec`."""
+    """The ``kv_transfer_config`` running vLLM's CPU + fs tiers with :class:`CPUCopyTieringSpec`.
+
+    vLLM imports the spec by module name in the engine processes: those started from here on find
+    ``benchmarks`` whatever their working directory."""
+    export_repo_root()
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        # As kvstrata's (tools/engine.py): the same engine settings for both contenders.
+        # As kvstrata's (kvstrata/tools/engine.py): the same engine settings for both contenders.
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "spec_name": SPEC_NAME,

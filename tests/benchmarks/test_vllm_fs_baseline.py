@@ -1,6 +1,6 @@
-"""vLLM's own disk tier, run on CPU by ``kvstrata.tools.vllm_fs_baseline``, works end to end.
+"""vLLM's own disk tier, run on CPU by ``benchmarks.vllm_fs_baseline``, works end to end.
 
-It is the baseline ``kvstrata bench e2e --vs-vllm-fs`` compares against, so it must really store
+It is the baseline ``benchmarks/bench_vs_vllm.py`` compares against, so it must really store
 and serve: a tiny random Llama generates through vLLM's CPU + fs tiers, the prompts come back
 from the CPU tier after ``reset_prefix_cache()``, and a new process on the same ``root_dir``
 serves them from the fs tier, with identical output each time.
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from benchmarks.bench_vs_vllm import fs_tier_usage
+from benchmarks.vllm_fs_baseline import fs_transfer_config
 from kvstrata.tools import models
-from kvstrata.tools.bench_vs_vllm import fs_tier_usage
 from kvstrata.tools.engine import EngineOptions, run_job_subprocess
-from kvstrata.tools.vllm_fs_baseline import fs_transfer_config
 
 BLOCK = 32
 MAX_TOKENS = 12

@@ -1,6 +1,7 @@
 """Where a disk-tier first token goes: a timeline of one restarted engine's first request.
 
-For kvstrata or vLLM's fs tier (the ``bench e2e --vs-vllm-fs`` contenders, same engine options):
+For kvstrata or vLLM's fs tier (the contenders of ``benchmarks/bench_vs_vllm.py``, same engine
+options):
 process 1 stores the prompt (cold request, as in the benchmark); process 2, a real restart with
 the page cache dropped, runs the prompt once with timing wrappers around the engine loop, the
 model forward, the connector hooks and each system's lookup / disk read / decompress / copy
@@ -19,7 +20,9 @@ scheduler side run in the engine-core process, the model and the connector's wor
 worker process it starts. vLLM spawns both: each imports this module as its main module, installs
 the same wrappers there and hands its events back in a file when it shuts down.
 
-``python -m kvstrata.tools.profile_disk_ttft --system vllm_fs --prompt-tokens 8192``
+``.venv/bin/python -m benchmarks.profile_disk_ttft --system vllm_fs --prompt-tokens 8192`` from
+the repository root (``--events`` adds every timed call; the ``benchmarks/bench_vs_vllm.py``
+options apply). Prints a JSON list, one object per system.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks._env import export_repo_root
 from kvstrata.tools.engine import JobError, child_env, run_job, run_job_subprocess
 
 # "module:Class.method" or "module:function"; missing targets are skipped (versions move).
@@ -65,10 +69,12 @@ SYSTEM_TARGETS = {
         "kvstrata.tiers.hierarchy:Hierarchy.lookup_many",
         "kvstrata.tiers.hierarchy:Hierarchy.promote",
         "kvstrata.tiers.hierarchy:Hierarchy._read_chunk",
+        "kvstrata.tiers.hierarchy.promoter:Promoter._read",  # the same read, after the tiers split
         "kvstrata.tiers.disk:DiskStore.get_into",
         "kvstrata.tiers.codec:decode_into",
         "kvstrata.tiers.device:DeviceStager.load",
         "kvstrata.tiers.device:DeviceStager._load_cpu",
+        "kvstrata.tiers.device.cpu:CpuStager._load_cpu",
     ),
     "vllm_fs": (
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
@@ -88,10 +94,10 @@ SYSTEM_TARGETS = {
         "vllm.v1.kv_offload.tiering.fs.manager:FsAsyncLookupManager.batch_lookup",
         "vllm.v1.kv_offload.tiering.fs.manager:batch_load_block",
         "vllm.v1.kv_offload.tiering.fs.manager:FileSystemTierManager.get_finished_jobs",
-        "kvstrata.tools.vllm_fs_baseline:CPUCopyWorker._copy",
+        "benchmarks.vllm_fs_baseline:CPUCopyWorker._copy",
     ),
 }
-_MODULE = "kvstrata.tools.profile_disk_ttft"
+_MODULE = "benchmarks.profile_disk_ttft"
 _ARRIVAL = "Scheduler.add_request"
 _FORWARD = "CPUModelRunner.execute_model"
 _SCHEDULE = "Scheduler.schedule"
@@ -415,12 +421,14 @@ def _child(job_file: Path, out_file: Path) -> int:
 
 def profile(system: str, args: argparse.Namespace, store: Path) -> dict[str, Any]:
     """Store the prompt in one process, then profile its disk-served first token in another."""
+    from benchmarks.bench_vs_vllm import vllm_fs_contender
     from kvstrata.tools.bench_e2e import kvstrata_contender
-    from kvstrata.tools.bench_vs_vllm import vllm_fs_contender
     from kvstrata.tools.corpus import chat_prompt
     from kvstrata.tools.models import prepare_smollm2, smollm2_prompt_limit
     from kvstrata.tools.ttft import BYPASS_KVSTRATA
 
+    # The profiling child (python -m) and the engine processes import benchmarks.* by name.
+    export_repo_root()
     model = prepare_smollm2(args.model_cache)
     n = min(args.prompt_tokens, smollm2_prompt_limit(args.max_tokens))
     at_n = argparse.Namespace(**{**vars(args), "prompt_tokens": n})
@@ -459,9 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return _child(Path(argv[1]), Path(argv[2]))
-    from kvstrata.tools.bench_vs_vllm import add_arguments
+    from benchmarks.bench_vs_vllm import add_arguments
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_disk_ttft",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--system", choices=sorted(SYSTEM_TARGETS), action="append",
                         help="system(s) to profile (default: both)")
     parser.add_argument("--prompt-tokens", type=int, default=8192)

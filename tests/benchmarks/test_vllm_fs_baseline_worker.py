@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
 
-from kvstrata.tools.vllm_fs_baseline import CPUCopyWorker  # noqa: E402
+from benchmarks.vllm_fs_baseline import CPUCopyWorker  # noqa: E402
 
 PAGE = 512  # bytes per engine block and layer
 LAYERS = 2

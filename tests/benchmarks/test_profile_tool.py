@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.tools import profile_disk_ttft as prof
+from benchmarks import profile_disk_ttft as prof
 
 
 @pytest.fixture(autouse=True)
