@@ -215,7 +215,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Failed loads go through failed_recving (also listed in finished_recving): the only
-        # failure path that works with several KV cache groups (reference §1.6).
+        # failure path that works with several KV cache groups (docs/SEMANTICS.md §1.6).
         sending, recving, failed = self.worker.get_finished()
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed

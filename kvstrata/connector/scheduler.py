@@ -1,6 +1,6 @@
 """Scheduler side of the connector: request state, jobs, fences — the semantics decide the rest.
 
-Mirrors the job/fence machinery of vLLM's ``OffloadingConnectorScheduler`` (reference §3.8-3.9),
+Mirrors the job/fence machinery of vLLM's ``OffloadingConnectorScheduler`` (docs/SEMANTICS.md §3.8-3.9),
 while *what* is servable and *what* is storable comes from the pure ``semantics`` module and *where*
 chunks live comes from the tier ``Hierarchy``.
 """

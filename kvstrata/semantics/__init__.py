@@ -1,7 +1,7 @@
 """kvstrata's group-granular store/lookup semantics: pure Python, no torch, no vLLM.
 
-The rules are those of vLLM 0.32.0's ``OffloadingConnectorScheduler`` (numbered R1-R42 in the
-connector reference, §3), ported as small functions, with the defects of vLLM issue 52735 absent
+The rules are those of vLLM 0.32.0's ``OffloadingConnectorScheduler`` (numbered R1-R42 in
+docs/SEMANTICS.md §3), ported as small functions, with the defects of vLLM issue 52735 absent
 and one deliberate difference (R26, below). The vLLM adapter (``connector/scheduler.py``) owns
 per-request state, jobs and fences, and calls:
 

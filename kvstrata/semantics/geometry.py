@@ -1,4 +1,4 @@
-"""Per-group chunk geometry and the layout of all offloaded groups (reference §3.1, R1-R8)."""
+"""Per-group chunk geometry and the layout of all offloaded groups (docs/SEMANTICS.md §3.1, R1-R8)."""
 
 from __future__ import annotations
 
@@ -270,5 +270,5 @@ class Layout:
 
     @cached_property
     def scheduler_block_tokens(self) -> int:
-        """vLLM's scheduler block: the lcm of the group block sizes (reference §2.3)."""
+        """vLLM's scheduler block: the lcm of the group block sizes (docs/SEMANTICS.md §2.3)."""
         return math.lcm(*(g.tokens_per_block for g in self.groups))

@@ -1,4 +1,4 @@
-"""Chunk keys: the vLLM block hash that ends a chunk, plus the group index (R12, R13)."""
+"""Chunk keys: the vLLM block hash that ends a chunk, plus the group index (docs/SEMANTICS.md R12, R13)."""
 
 from __future__ import annotations
 

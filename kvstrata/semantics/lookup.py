@@ -1,4 +1,4 @@
-"""Lookup: the longest prefix beyond the local GPU hit that every group can serve (R15-R27)."""
+"""Lookup: the longest prefix beyond the local GPU hit that every group can serve (docs/SEMANTICS.md R15-R27)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ attention, no drafter), kvstrata also stores the chunk holding the prompt's end 
 key*: vLLM's block hash of the partial block's tokens chained to the prefix
 (``hash_block_tokens``, computed by the adapter), so it names exactly this prompt. A later
 request with the same prompt loads every chunk plus the tail and recomputes only the last token
-(R21). A prompt that merely starts with it is a different key: a tail serves the prompt it ends,
+(docs/SEMANTICS.md R21). A prompt that merely starts with it is a different key: a tail serves the prompt it ends,
 never a longer one.
 
 The tail page is the whole chunk's pages; positions past the prompt's end hold whatever the

@@ -1,4 +1,4 @@
-"""Stores: which chunks of a request to offer, and when (§3.8 D, R28-R31)."""
+"""Stores: which chunks of a request to offer, and when (docs/SEMANTICS.md §3.8 D, R28-R31)."""
 
 from __future__ import annotations
 

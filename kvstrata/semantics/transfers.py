@@ -1,4 +1,4 @@
-"""What moves between GPU blocks and chunks: loads (R22, R35), Mamba boundary and partial-tail
+"""What moves between GPU blocks and chunks: loads (docs/SEMANTICS.md R22, R35), Mamba boundary and partial-tail
 stores (§3.8 B, C)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Framed, checksummed compression of KV pages (byte planes + zstd).
 
 Float KV compresses only through its exponent bytes: on bf16 the high byte (sign + 7 exponent bits)
-carries ~3 bits of entropy while the low byte (mantissa) is random (storage-facts.md §3.2). So each
+carries ~3 bits of entropy while the low byte (mantissa) is random (docs/STORAGE.md §3.2). So each
 element is split into byte planes, plane j holding byte j of every element (little-endian), and
 only the planes that pay are zstd-coded; the others are stored raw. 1-byte dtypes (fp8, int8) are
 one plane. When no plane pays, the frame is a plain copy (codec RAW).
@@ -152,7 +152,7 @@ class _ThreadState(threading.local):
 
     def buffer(self, nbytes: int) -> np.ndarray:
         # Reused between calls: fresh allocations page-fault at 1-3 GB/s, touched memory
-        # copies at ~10 GB/s (storage-facts.md §2).
+        # copies at ~10 GB/s (docs/STORAGE.md §2).
         if self.scratch.size < nbytes:
             self.scratch = np.empty(nbytes, dtype=np.uint8)
         return self.scratch[:nbytes]

@@ -149,7 +149,7 @@ class HostSlab:
 
     def _pretouch(self, fresh: bool) -> None:
         # Fault every page in up front: a first touch costs a page fault (3-8x slower copies,
-        # storage-facts.md section 2), which must not land on the transfer path.
+        # docs/STORAGE.md §2), which must not land on the transfer path.
         try:
             self._mmap.madvise(_MADV_POPULATE_WRITE)
             return

@@ -75,7 +75,7 @@ class ModelCase:
     eagle: bool = False
     # vLLM's ``prefix_match_unit``: hash every N tokens, finer than the blocks. With a Mamba-align
     # hybrid that makes hits end inside a block, at the prompt's last N-token boundary (partial
-    # tails, R7/R30).
+    # tails, docs/SEMANTICS.md R7/R30).
     prefix_match_unit: int | None = None
     # Attention-only layouts (full, sliding window) without a drafter: the prompt's partial last
     # block is stored and served too (semantics.prompt_tail), so a hit covers the whole prompt.

@@ -50,7 +50,7 @@ def _tail_end(case: str, n: int) -> int | None:
 @pytest.mark.parametrize("case", ["llama", "llama_verify_first", "gemma3", "llama_eagle"])
 def test_prompt_tails_are_served(scenarios: Callable[[str], Scenario], case: str) -> None:
     """Every independent prompt repeated after ``reset_prefix_cache()`` is served to the end of
-    its tail: the whole prompt (full attention) or one token short (a sliding window, R21). The
+    its tail: the whole prompt (full attention) or one token short (a sliding window, docs/SEMANTICS.md R21). The
     gemma3 lengths include those where N - W + 1 falls on a block (issue 22, defect 1)."""
     sc = scenarios(case)
     checked = 0
