@@ -124,6 +124,9 @@ class StrataConfig:
     # restart are served at host-tier speed instead of reading the disk. 0 (off) by default:
     # the reads compete with serving while it runs.
     warm_start_bytes: int = 0
+    # Writing chunks down to the disk (compression, LMDB puts, syncs) runs at idle CPU priority
+    # (tiers/priority.py), so it takes only cores serving leaves idle; "normal" does not lower it.
+    background_priority: str = "idle"
 
     def resolve_io_threads(self) -> int:
         """The number of disk read threads (``io_threads``, "auto" resolved here)."""
@@ -308,6 +311,7 @@ _VALIDATORS = {
     "python_switch_interval_s": _optional_seconds,
     "self_describing_kv_events": _bool,
     "warm_start_bytes": parse_size,
+    "background_priority": _choice("idle", "normal"),
 }
 
 

@@ -85,7 +85,7 @@ def build_hierarchy(
             )
         disk = DiskStore(
             store_path, budget_bytes=cfg.disk_bytes, level=cfg.zstd_level, codec=cfg.codec,
-            max_age_s=cfg.max_age_s,
+            max_age_s=cfg.max_age_s, idle_writer=cfg.background_priority == "idle",
         )
         for rank, ns in enumerate(plan.namespaces):
             disk.register_namespace(ns, namespace_info(plan.identity, rank))
@@ -108,6 +108,7 @@ def build_hierarchy(
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.resolve_io_threads(),
         events=events,
+        idle_writes=cfg.background_priority == "idle",
     )
     return hierarchy, [c for c in (disk, slab) if c is not None], session_dir
 

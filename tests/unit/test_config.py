@@ -226,3 +226,10 @@ def test_seconds_take_numbers_and_decimal_strings() -> None:
     assert cfg.max_age_s == 3600.0 and cfg.python_switch_interval_s == 0.0005
     cfg = StrataConfig.from_extra_config({"max_age_s": 0.25, "python_switch_interval_s": 1})
     assert cfg.max_age_s == 0.25 and cfg.python_switch_interval_s == 1.0
+
+
+def test_background_priority_is_idle_unless_asked() -> None:
+    assert StrataConfig.from_extra_config({}).background_priority == "idle"
+    assert StrataConfig.from_extra_config({"background_priority": "normal"}).background_priority == "normal"
+    with pytest.raises(ConfigError, match="background_priority"):
+        StrataConfig.from_extra_config({"background_priority": "low"})

@@ -202,3 +202,37 @@ def test_write_backpressure_is_per_tier(make) -> None:
 def test_tier_links_name_their_tiers(tmp_path: Path) -> None:
     with FarTier(tmp_path / "f", budget_bytes=1 << 20) as far:
         assert TierLink(far, 1, 1).name == "remote"
+
+
+def test_writes_run_at_idle_priority_and_reads_do_not(make) -> None:
+    """Write-behind yields the cores to serving; a promotion, which a request waits on, does not
+    (tiers/priority.py). Checked where Linux reports thread policies."""
+    import os
+
+    from kvstrata.tiers.priority import thread_policy
+
+    if thread_policy() is None or not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no per-thread scheduling policies here")
+    seen: dict[str, set[int | None]] = {"put": set(), "get": set()}
+
+    class Watched(DiskStore):
+        def put_many(self, entries):
+            seen["put"].add(thread_policy())
+            return super().put_many(entries)
+
+        def get_into(self, key, out):
+            seen["get"].add(thread_policy())
+            return super().get_into(key, out)
+
+    disk = make.store("watched", Watched)
+    h = make(lower=[disk])
+    put(h, [key(1)])
+    eventually(lambda: holds(disk, key(1)), "write-behind")
+    h.close()
+    h2 = make(lower=[disk])
+    assert h2.lookup_many([key(1)]) == [PENDING]
+    eventually(lambda: h2.lookup_many([key(1)]) == [HIT], "promotion")
+    assert seen == {"put": {os.SCHED_IDLE}, "get": {os.SCHED_OTHER}}
+    # The store's own writer thread too, when the engine asks for it.
+    with DiskStore(disk.path.with_name("idle"), budget_bytes=1 << 20, idle_writer=True) as store:
+        assert store.write(lambda txn, h: thread_policy()) == os.SCHED_IDLE

@@ -52,8 +52,9 @@ class DiskStore:
     ``sync_interval_s``/``sync_bytes`` pace the background ``env.sync()``;
     ``touch_flush_interval_s`` paces the batched write of access ticks; after a full map or disk
     the store stops admitting for ``full_retry_s`` seconds, then tries again. ``max_age_s``:
-    whenever the writer evicts, chunks idle longer than this go first.
-    ``readonly=True`` opens an existing store for reads only (no writer thread, no ticks).
+    whenever the writer evicts, chunks idle longer than this go first. ``idle_writer``: the
+    writer and sync threads run at idle CPU priority (a serving engine's store; reads are
+    unaffected). ``readonly=True`` opens an existing store for reads only (no writer thread, no ticks).
     Every method is thread-safe.
     """
 
@@ -75,6 +76,7 @@ class DiskStore:
         evict_slack: float = 1.0 / 64,
         full_retry_s: float = 30.0,
         max_age_s: float | None = None,
+        idle_writer: bool = False,
     ) -> None:
         if codec not in ("auto", "raw"):
             raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
@@ -100,7 +102,8 @@ class DiskStore:
             self._writer = Writer(
                 self._env, self._counts, budget_bytes=self.budget_bytes, evict_slack=evict_slack,
                 max_age_s=max_age_s, sync_interval_s=sync_interval_s, sync_bytes=sync_bytes,
-                touch_flush_interval_s=touch_flush_interval_s, full_retry_s=full_retry_s)
+                touch_flush_interval_s=touch_flush_interval_s, full_retry_s=full_retry_s,
+                idle=idle_writer)
             if self.unclean_shutdown:
                 self._recovery = Recovery(self._writer, self._counts)
 

@@ -27,6 +27,7 @@ import msgspec
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
+from kvstrata.tiers.priority import lower_this_thread
 from kvstrata.tiers.retention import select_victims
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,10 @@ class Writer:
         sync_bytes: int,
         touch_flush_interval_s: float,
         full_retry_s: float,
+        idle: bool = False,
     ) -> None:
         self.env = env
+        self._idle = idle  # run both threads at idle CPU priority (tiers/priority.py)
         self.h = env.handles
         self.counts = counters
         self.budget_bytes = budget_bytes
@@ -264,6 +267,8 @@ class Writer:
     # ---- the writer thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self._idle:
+            lower_this_thread()
         last_flush = time.monotonic()
         carry: Any = None
         while True:
@@ -399,6 +404,8 @@ class Writer:
     def _sync_loop(self) -> None:
         # A thread of its own so that flushing overlaps the writer's next puts. It runs every
         # sync_interval_s, and early once sync_bytes are dirty.
+        if self._idle:
+            lower_this_thread()
         while True:
             self._sync_wake.wait(self._sync_interval)
             self._sync_wake.clear()

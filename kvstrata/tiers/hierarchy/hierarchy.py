@@ -59,6 +59,7 @@ class Hierarchy:
             value for every tier, or one per tier.
         write_backpressure: "defer" (keep the slot, write when the tier catches up, up to
             ``max_deferred_bytes`` per tier) or "drop".
+        idle_writes: write-behind threads run at idle CPU priority (``tiers.priority``).
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class Hierarchy:
         write_threads: int = 1,
         offer_tracker_size: int = 1 << 17,
         events: bool = False,
+        idle_writes: bool = True,
     ) -> None:
         if write_backpressure not in ("defer", "drop"):
             raise ValueError(f"write_backpressure must be 'defer' or 'drop', not {write_backpressure!r}")
@@ -96,7 +98,7 @@ class Hierarchy:
         self.namespaces = s.namespaces
         self.shard_bytes = s.shard_bytes
         self._pipe = Pipeline(links, read_threads=read_threads, write_threads=write_threads,
-                              max_concurrent_reads=max_concurrent_reads)
+                              max_concurrent_reads=max_concurrent_reads, idle_writes=idle_writes)
         self._writes = WriteBehind(
             s, self._pipe, defer=write_backpressure == "defer",
             max_write_inflight_bytes=max_write_inflight_bytes,

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvstrata.tiers.host import HostPool
 from kvstrata.tiers.lower import LowerTier
+from kvstrata.tiers.priority import lower_this_thread
 
 TIER_HOST = "host"
 
@@ -158,11 +159,15 @@ class Pipeline:
     answering never holds up another tier's reads or writes."""
 
     def __init__(self, links: Sequence[TierLink], *, read_threads: int, write_threads: int,
-                 max_concurrent_reads: int) -> None:
+                 max_concurrent_reads: int, idle_writes: bool = True) -> None:
         self.links = list(links)
+        # Writes yield to serving (tiers/priority.py); reads keep normal priority: a request
+        # waits on them.
+        init = lower_this_thread if idle_writes else None
         for link in self.links:
             link.read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvstrata-read-{link.name}")
-            link.write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix=f"kvstrata-write-{link.name}")
+            link.write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix=f"kvstrata-write-{link.name}",
+                                                 initializer=init)
         self.loop = asyncio.new_event_loop()
         self.read_sem = asyncio.Semaphore(max_concurrent_reads)
         self.max_concurrent_reads = max_concurrent_reads
