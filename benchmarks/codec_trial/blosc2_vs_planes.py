@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
 from kvstrata.tiers import codec  # noqa: E402
+from kvstrata.tools.bench_disk import bf16_bits, synthetic_kv  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -57,13 +58,6 @@ MiB = 1 << 20
 
 # ---------------------------------------------------------------------------------------------
 # Data
-
-
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    # verbatim copy of kvstrata.tools.bench_disk.bf16_bits (fallback when that module does not
-    # import: the disk tier is being refactored in this tree)
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
 def _kv_stats(rng: np.random.Generator, layers: int, channels: int) -> list:
@@ -93,17 +87,12 @@ def _synthetic(nbytes: int, chunk_bytes: int, seed: int, fp32: bool,
     for i in range(n_chunks):
         scale, mean = stats[(i // 2) % layers][i % 2]
         x = rng.standard_normal((rows, channels), dtype=np.float32) * scale + mean
-        out[i] = x if fp32 else _bf16_bits(x)
+        out[i] = x if fp32 else bf16_bits(x)
     return out.reshape(-1)
 
 
 def synthetic_bf16(nbytes: int, chunk_bytes: int, seed: int) -> tuple[np.ndarray, str]:
-    try:  # the project's own generator, when it imports
-        from kvstrata.tools.bench_disk import synthetic_kv
-
-        return synthetic_kv(nbytes, chunk_bytes, seed), "kvstrata.tools.bench_disk.synthetic_kv"
-    except Exception:  # noqa: BLE001
-        return _synthetic(nbytes, chunk_bytes, seed, False), "copy of bench_disk.synthetic_kv"
+    return synthetic_kv(nbytes, chunk_bytes, seed), "kvstrata.tools.bench_disk.synthetic_kv"
 
 
 def engine_kv(pattern: str, dtype: str, limit: int) -> np.ndarray | None:
