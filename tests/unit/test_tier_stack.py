@@ -121,23 +121,25 @@ def test_promotion_asks_the_tiers_in_order_and_keeps_a_far_chunk_near(make) -> N
     assert far.stats()["hits"] == 2  # key(2)'s from the far one, nothing else
 
 
-def test_a_far_record_missing_a_shard_is_not_promoted(make) -> None:
+def _near_and_far_holding(make, k: bytes) -> tuple[DiskStore, DiskStore]:
+    """Two tiers, ``k`` written into the far one only."""
     near, far = make.store("near"), make.store("far", FarTier)
     writer = make(lower=[far])
-    put(writer, [key(5)])
-    eventually(lambda: holds(far, key(5)), "write-behind")
+    put(writer, [k])
+    eventually(lambda: holds(far, k), "write-behind")
     writer.close()
+    return near, far
+
+
+def test_a_far_record_missing_a_shard_is_not_promoted(make) -> None:
+    near, far = _near_and_far_holding(make, key(5))
     far.delete_many([NS[1] + key(5)])
     h = make(lower=[near, far])
     assert h.lookup_many([key(5)]) == [MISS]
 
 
 def test_a_tier_that_fails_is_a_miss_and_the_next_tier_is_asked(make) -> None:
-    near, far = make.store("near"), make.store("far", FarTier)
-    writer = make(lower=[far])
-    put(writer, [key(7)])
-    eventually(lambda: holds(far, key(7)), "write-behind")
-    writer.close()
+    near, far = _near_and_far_holding(make, key(7))
     near.close()  # a closed store answers every lookup with "not here"
     h = make(lower=[near, far])
     assert h.lookup_many([key(7)]) == [PENDING]
