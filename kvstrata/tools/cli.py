@@ -30,6 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "disk": ("kvstrata.tools.bench_disk", "disk tier vs raw file I/O (MB/s, compression ratio)"),
     "tiers": ("kvstrata.tools.bench_tiers", "host tier vs memcpy, batched lookup cost, prefetch overlap"),
     "e2e": ("kvstrata.tools.bench_e2e", "time to first token on a real vLLM engine: cold, host, disk"),
+    "overhead": ("kvstrata.tools.bench_overhead", "what kvstrata costs a workload without reuse, and a mixed one"),
 }
 
 

@@ -246,6 +246,31 @@ def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, 
             for name, value in after.values.items()}
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by this process's threads, by Python thread name (pool threads'
+    ``_N`` suffix dropped; threads Python did not start, e.g. OpenMP's, are ``native``), and the
+    process's ``io`` counters: where a step's time went (``generate`` steps report deltas)."""
+    import threading
+
+    names = {t.native_id: t.name.rstrip("0123456789").rstrip("_-") or t.name
+             for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = names.get(int(task.name), "native")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("read_bytes", "write_bytes"):
+                out[f"io:{key}"] = float(value)
+    return out
+
+
 def drop_page_cache() -> bool:
     """Flush and drop the OS page cache so the next read comes from the device, if permitted."""
     os.sync()
@@ -371,6 +396,7 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
         prompts = step["prompts"]
         say(f"{name}: {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens")
         before = metrics_snapshot(llm)
+        cpu = thread_cpu_seconds()
         t = time.perf_counter()
         outs = generate(llm, prompts, int(step.get("max_tokens", 16)),
                         cache_salt=step.get("cache_salt"),
@@ -378,9 +404,12 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
                         kv_transfer_params=step.get("kv_transfer_params"),
                         logprobs=step.get("logprobs"))
         wall = time.perf_counter() - t
+        cpu_after = thread_cpu_seconds()
         return {"op": op, "name": name, "wall_s": wall,
                 "outputs": [asdict(o) for o in outs],
-                "metrics": metrics_delta(before, metrics_snapshot(llm))}
+                "metrics": metrics_delta(before, metrics_snapshot(llm)),
+                "thread_cpu_s": {k: round(v - cpu.get(k, 0.0), 3) for k, v in cpu_after.items()
+                                 if v - cpu.get(k, 0.0) > 0}}
     if op == "reset_prefix_cache":
         return {"op": op, "name": name, "ok": bool(llm.reset_prefix_cache())}
     if op == "drop_page_cache":

@@ -58,3 +58,25 @@ def test_demo_takes_prompts_up_to_the_context_minus_the_answer(argv, message, ca
     assert main(["demo", "--store", str(tmp_path / "store"), *argv]) != 0
     assert message in capsys.readouterr().err
     assert not (tmp_path / "store").exists()
+
+
+def test_bench_overhead_options_and_workloads() -> None:
+    from kvstrata.tools.bench_overhead import workload_batches
+
+    args = build_parser().parse_args(["bench", "overhead", "--prompts", "6", "--prompt-tokens", "64",
+                                      "--batches", "3", "--workload", "mixed"])
+    assert (args.prompts, args.prompt_tokens, args.batches, args.workload) == (6, 64, 3, "mixed")
+    assert args.configs[0] == "none"
+    fresh = workload_batches("no_reuse", args)
+    assert len(fresh) == 3 and all(len(b) == 6 and all(len(p) == 64 for p in b) for b in fresh)
+    assert len({tuple(p[:8]) for b in fresh for p in b}) == 18  # nothing shared
+    mixed = workload_batches("mixed", args)
+    assert mixed[0] == workload_batches("mixed", args)[0]  # seeded: the same for every engine
+    for b in (1, 2):  # half of each later batch extends a prompt of the batch before
+        assert [p[:56] for p in mixed[b][:3]] == [p[:56] for p in mixed[b - 1][:3]]
+        assert all(p[:56] not in [q[:56] for q in mixed[b - 1]] for p in mixed[b][3:])
+
+
+def test_bench_overhead_needs_the_baseline(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "overhead", "--configs", "default"])
