@@ -1,4 +1,6 @@
-"""Rewrite a store's LMDB file compacted, so that the space of deleted records really comes back.
+"""Rewrite a store's LMDB file: compacted, so that the space of deleted records really comes back
+(``rewrite_locked``), or rebuilt from its sound records only (``rebuild_locked``), for a store
+whose structure is damaged (a record whose page numbers point into another record's pages).
 
 LMDB never shrinks its file: deleted pages only go on a free list for later writes. The way to
 return them to the file system is a compacting copy (``env.copy(compact=True)`` writes live pages
@@ -186,3 +188,76 @@ def rewrite_locked(path: Path) -> RewriteResult:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return RewriteResult(before, data.stat().st_size)
+
+
+@dataclass(frozen=True)
+class RebuildResult:
+    kept: int
+    left_out: int
+
+
+def rebuild_locked(path: Path) -> RebuildResult:
+    """Copy every sound record of ``path`` (``records.check``) with the readable namespace
+    entries into a new LMDB file and swap it in; the totals are recounted and the store marked
+    clean. The caller holds :func:`exclusive`. A record whose pages belong to another record
+    cannot be deleted in place without freeing that record's pages: a rebuild never frees
+    anything, it only leaves the damaged records out."""
+    data = path / rec.DATA_FILE
+    remove_stale_temporaries(path)
+    need = data.stat().st_size + _SPACE_MARGIN  # at most the live records of the damaged file
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise RewriteError(f"not enough free disk space next to {path} to rebuild it ({need} bytes "
+                           f"needed, {free} free); the store file was not rewritten")
+    tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=path))
+    try:
+        try:
+            kept, left_out = _copy_sound_records(path, tmp)
+        except lmdb.Error as exc:
+            raise RewriteError(f"rebuilding {path} failed: {exc}; the store file was not rewritten") from exc
+        copy = tmp / rec.DATA_FILE
+        os.chmod(copy, stat.S_IMODE(data.stat().st_mode))
+        _fsync_path(copy)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / rec.LMDB_LOCK_FILE)
+        os.replace(copy, data)
+        _fsync_path(path, directory=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return RebuildResult(kept, left_out)
+
+
+def _copy_sound_records(src: Path, dst: Path) -> tuple[int, int]:
+    old = lmdb.open(str(src), readonly=True, lock=False, max_dbs=4, subdir=True)
+    new = lmdb.open(str(dst), map_size=old.info()["map_size"], max_dbs=4, subdir=True,
+                    sync=False, metasync=False)
+    kept = left_out = 0
+    try:
+        with old.begin(buffers=True) as rtxn:
+            h_old = rec.Handles(*(old.open_db(n, txn=rtxn, create=False) for n in rec.DB_NAMES),
+                                old.open_db(txn=rtxn))
+            with new.begin(write=True) as wtxn:
+                h_new = rec.Handles(*(new.open_db(n, txn=wtxn) for n in rec.DB_NAMES), new.open_db(txn=wtxn))
+                totals = rec.Totals()
+                for key, value in rtxn.cursor(db=h_old.index):
+                    key = bytes(key)
+                    found = rec.decode_index(value)
+                    present, problem = rec.check(rtxn, h_old, key)
+                    if found is None or not present or problem is not None:
+                        left_out += 1  # damaged, unreachable by its key, or another key's
+                        continue
+                    rec.put(wtxn, h_new, key, rtxn.get(key, db=h_old.payload), found, totals)
+                    kept += 1
+                namespaces, _bad = rec.namespaces(rtxn, h_old)
+                for ns, info in namespaces.items():
+                    rec.register_namespace(wtxn, h_new, ns, info)
+                fmt = rtxn.get(rec.META_FORMAT, db=h_old.meta)
+                wtxn.put(rec.META_FORMAT, bytes(fmt) if fmt is not None else str(rec.FORMAT_VERSION).encode(),
+                         db=h_new.meta)
+                wtxn.put(rec.META_CLEAN, b"1", db=h_new.meta)
+                rec.write_totals(wtxn, h_new, totals)
+        new.sync(True)
+    finally:
+        new.close()
+        old.close()
+    return kept, left_out

@@ -8,9 +8,15 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvstrata.presence import Presence
+from kvstrata.tiers.lower import LowerTier
 
 
 class TierManager(Protocol):
+    @property
+    def tiers(self) -> list[LowerTier]:
+        """The lower tiers, nearest first."""
+        ...
+
     def lookup_many(self, keys: Sequence[bytes], promoting: set[bytes] | None = None, *,
                     stream: bool = False, prefix: bool = False,
                     protect: set[bytes] | None = None) -> list[Presence]:

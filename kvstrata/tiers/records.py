@@ -55,8 +55,20 @@ SIZE_MISMATCH = "payload size differs from the index record"
 FRAME_UNREADABLE = "payload frame header unreadable"
 FRAME_MISMATCH = "payload frame does not match the index record"
 GROUP_MISMATCH = "index record group differs from the key"
-CHECKSUM = "checksum mismatch (payload corrupt or another key's)"
+CHECKSUM = "checksum mismatch (payload corrupt)"
 PAGE_DAMAGED = "store page unreadable (LMDB structure damaged)"
+
+# Problems whose record can be deleted where it is: its payload, if any, is its own (a frame
+# whose header matches its index record and whose bytes rotted; a payload a crashed put left).
+# Any other problem may mean the record's page numbers point into another record's pages (a
+# damaged leaf): deleting it would free those pages and lose that record too, so such a record
+# is only left out (a miss), and ``kvstrata verify --repair`` rebuilds the store around it.
+IN_PLACE = frozenset({CHECKSUM, INDEX_UNREADABLE, PAYLOAD_MISSING, ORPHAN_PAYLOAD})
+
+
+def deletable_in_place(problem: str) -> bool:
+    return problem in IN_PLACE
+
 
 # LMDB's own structure found damaged while reading one record: treated like a bad record.
 LMDB_DAMAGE: tuple[type[Exception], ...] = (lmdb.CorruptedError, lmdb.PageNotFoundError,
@@ -194,10 +206,19 @@ def index_only(txn: lmdb.Transaction, h: Handles, key: bytes, rec: IndexRecord,
     totals.add(rec)
 
 
+class StructuralDamage(Exception):
+    """A record's pages may not be its own (see ``IN_PLACE``): deleting it could free another
+    record's pages. Left where it is; ``kvstrata verify --repair`` rebuilds the store."""
+
+
 def delete(txn: lmdb.Transaction, h: Handles, key: bytes, totals: Totals) -> int | None:
     """Delete ``key``'s index record and payload; the stored bytes freed, None when neither
-    existed. An unreadable index record was never counted reliably: callers that drop one
-    recount the totals."""
+    existed. Raises :class:`StructuralDamage`, deleting nothing, when the payload's frame header
+    does not belong to the record (checked without decompressing). An unreadable index record
+    was never counted reliably: callers that drop one recount the totals."""
+    problem = check(txn, h, key, decode=False)[1]
+    if problem is not None and not deletable_in_place(problem):
+        raise StructuralDamage(f"{key.hex()}: {problem}")
     value = txn.pop(key, db=h.index)
     had_payload = txn.delete(key, db=h.payload)
     if value is None:
@@ -297,8 +318,8 @@ def namespaces(txn: lmdb.Transaction, h: Handles) -> tuple[dict[bytes, dict[str,
     out: dict[bytes, dict[str, Any]] = {}
     bad: list[bytes] = []
     found = cursor.set_range(META_NS)
-    while found and cursor.key().startswith(META_NS):
-        ns = bytes(cursor.key()[len(META_NS):])
+    while found and bytes(cursor.key()).startswith(META_NS):
+        ns = bytes(cursor.key())[len(META_NS):]
         try:
             info = msgspec.json.decode(cursor.value())
         except (msgspec.DecodeError, ValueError):

@@ -28,6 +28,7 @@ from typing import Any
 
 import lmdb
 
+from kvstrata.compaction import rewrite
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tools import support as ts
@@ -186,6 +187,23 @@ def repair(path: Path, found: Findings) -> dict[str, Any]:
     return {**result, "totals_recounted": True}
 
 
+def rebuild(path: Path) -> dict[str, Any]:
+    """Structural damage (a record whose pages may be another record's): deleting records in
+    place could free a sound record's pages, so the store is rebuilt from its sound records
+    (``compaction.rewrite.rebuild_locked``). That needs the store to itself."""
+    try:
+        with rewrite.exclusive(path):
+            result = rewrite.rebuild_locked(path)
+    except rewrite.StoreBusyError:
+        raise CLIError(
+            f"{path} has records whose pages may belong to other records; repairing them means "
+            "rebuilding the store, which needs it to itself. Stop the servers and tools using it "
+            "and run `kvstrata verify --repair` again; nothing was changed") from None
+    except rewrite.RewriteError as exc:
+        raise CLIError(str(exc)) from None
+    return {"kept": result.kept, "left_out": result.left_out}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     found = find_problems(args.dir, args.threads)
     report: dict[str, Any] = {
@@ -204,6 +222,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if found.sound:
         report["status"] = "sound"
+    elif args.repair and any(not rec.deletable_in_place(p) for _, p in found.bad):
+        report["rebuilt"] = rebuild(args.dir)
+        report["status"] = "repaired"
     elif args.repair:
         report["repaired"] = repair(args.dir, found)
         report["status"] = "repaired"

@@ -353,7 +353,7 @@ class _StoredCheck:
         core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
         connector = core.scheduler.connector
         self.plan = connector.plan
-        self.disk = connector.scheduler.hierarchy.disk
+        self.disk = next((t for t in connector.scheduler.hierarchy.tiers if t.tier_name == "disk"), None)
         if self.disk is None:
             raise RuntimeError("the connector runs without its disk tier")
         algo = llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo

@@ -636,7 +636,9 @@ def test_concurrent_store_lookup_load(env):
     """The scheduler thread stores, looks up and loads while the I/O thread completes writes and
     promotions and a third thread probes the index and reads stats (lock contention)."""
     disk = env.disk()
-    h = env.hier(disk, slots=12, max_write_inflight_bytes=3 * CHUNK_BYTES)
+    # Normal-priority writes: at idle priority (the default) the busy scheduler thread here can
+    # keep them from landing before it ends, and then nothing evicted is on disk to promote.
+    h = env.hier(disk, slots=12, max_write_inflight_bytes=3 * CHUNK_BYTES, idle_writes=False)
     errors: list[BaseException] = []
     stop = threading.Event()
 

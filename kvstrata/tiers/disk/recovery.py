@@ -29,7 +29,12 @@ def drop_if_bad(writer: Writer, keys: list[bytes], counter: str) -> int:
     h = writer.h
 
     def body(txn: lmdb.Transaction) -> int:
-        bad = [key for key in keys if rec.check(txn, h, key)[1] is not None]
+        problems = {key: rec.check(txn, h, key)[1] for key in keys}
+        bad = [key for key, problem in problems.items() if problem is not None]
+        for key in bad:
+            if not rec.deletable_in_place(problems[key]):  # type: ignore[arg-type]
+                writer.quarantine(key, f"{key.hex()}: {problems[key]}")
+        bad = [key for key in bad if key not in writer.quarantined]
         if not bad:
             return 0
         unreadable = any(rec.decode_index(txn.get(k, db=h.index)) is None for k in bad)

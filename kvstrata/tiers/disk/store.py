@@ -137,6 +137,10 @@ class DiskStore:
         """Decode the value of ``key`` into ``out``; bytes written, or None (a miss, or a record
         that is damaged or not this key's: counted, logged, dropped). ``out`` may then hold
         garbage. Decompression runs inside the short read transaction, straight from the map."""
+        writer = self._writer
+        if writer is not None and writer.quarantined and key in writer.quarantined:
+            self._counts.bump("misses")
+            return None
         try:
             result = self._env.txn(lambda txn: rec.read_into(txn, self.h, key, out), buffers=True)
         except ValueError as exc:  # out too small: a layout mismatch, never a crash
@@ -174,7 +178,11 @@ class DiskStore:
     def _probe(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> list[bool]:
         # A cursor seek answers presence without materialising the value.
         cursor = txn.cursor(db=self.h.index)
-        return [cursor.set_key(k) for k in keys]
+        found = [cursor.set_key(k) for k in keys]
+        quarantined = self._writer.quarantined if self._writer is not None else None
+        if quarantined:
+            found = [f and k not in quarantined for k, f in zip(keys, found, strict=True)]
+        return found
 
     def iter_index(self) -> Iterator[tuple[bytes, rec.IndexRecord]]:
         """Every readable (key, record) in key order, in batches of separate short transactions
@@ -396,7 +404,10 @@ class DiskStore:
         self._counts.bump("corrupt")
         self._counts.bump("misses")
         log.warning("store at %s: corrupt record %s (%s); treated as a miss", self.path, key.hex(), problem)
-        self._drop_soon([key])
+        if rec.deletable_in_place(problem):
+            self._drop_soon([key])
+        elif self._writer is not None:
+            self._writer.quarantine(key, f"{key.hex()}: {problem}")
 
     def _drop_soon(self, keys: list[bytes]) -> None:
         """Have the writer re-check these records and drop those still bad."""

@@ -44,7 +44,7 @@ COUNTERS = (
     "hits", "misses", "lookups", "corrupt", "corrupt_dropped", "size_mismatch", "puts",
     "put_present", "deletes", "evictions", "evicted_bytes", "admission_drops", "too_large_drops",
     "full_events", "map_resized", "tick_flushes", "sync_errors", "recovery_checked",
-    "recovery_dropped", "totals_recounted", "index_unreadable",
+    "recovery_dropped", "totals_recounted", "index_unreadable", "quarantined",
 )
 
 
@@ -139,6 +139,10 @@ class Writer:
         # transaction committed; called on the writer thread, so it must not wait on the store.
         self.on_removed: Callable[[list[bytes]], None] | None = None
         self._removed: list[bytes] = []  # deleted by the write transaction running now
+        # Records whose pages may be another record's (records.IN_PLACE): never read, evicted or
+        # deleted by this process; `kvstrata verify --repair` rebuilds the store around them.
+        self.quarantined: set[bytes] = set()
+        self._quarantine_logged = False
         self._thread = _spawn(self._loop, "writer")
         self._syncer = _spawn(self._sync_loop, "sync")
 
@@ -194,11 +198,16 @@ class Writer:
                 self._touched.pop(key, None)
 
     def delete(self, txn: lmdb.Transaction, totals: rec.Totals, keys: Iterable[bytes]) -> tuple[int, int]:
-        """Delete records in ``txn`` (writer thread); (count, stored bytes freed)."""
+        """Delete records in ``txn`` (writer thread); (count, stored bytes freed). A record whose
+        pages may not be its own is left in place and quarantined (never read again here)."""
         count = freed = 0
         gone: list[bytes] = []
         for key in keys:
-            n = rec.delete(txn, self.h, key, totals)
+            try:
+                n = rec.delete(txn, self.h, key, totals)
+            except rec.StructuralDamage as exc:
+                self.quarantine(key, str(exc))
+                continue
             if n is None:
                 continue
             gone.append(bytes(key))
@@ -206,6 +215,16 @@ class Writer:
             freed += n
         self.deleted(gone)
         return count, freed
+
+    def quarantine(self, key: bytes, why: str) -> None:
+        self.quarantined.add(bytes(key))
+        self.counts.bump("quarantined")
+        if not self._quarantine_logged:
+            self._quarantine_logged = True
+            log.warning("store at %s: a record's pages may belong to another record (%s); it is left "
+                        "out, not deleted, so that the other record survives: run `kvstrata verify "
+                        "--repair %s` with the store to itself to rebuild it", self.env.path, why,
+                        self.env.path)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -383,10 +402,11 @@ class Writer:
 
     def _eviction_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int, int]]:
         touched = self.touched()
+        quarantined = self.quarantined
         for key, value in txn.cursor(db=self.h.index):
             found = rec.decode_index(value)
-            if found is None:
-                continue  # unreadable: left to verification, which drops it
+            if found is None or (quarantined and bytes(key) in quarantined):
+                continue  # unreadable (left to verification) or quarantined
             yield bytes(key), max(found.tick, touched.get(bytes(key), 0)), found.stored_len
 
     # ---- durability ---------------------------------------------------------------------------

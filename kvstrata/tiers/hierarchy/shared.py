@@ -46,6 +46,9 @@ class TierLink:
     admit_after: int  # offers (stores, host hits) before a chunk is written to this tier
     resident: set[bytes] = field(default_factory=set)  # host chunks known to be in this tier
     queued: set[bytes] = field(default_factory=set)  # being written, or deferred
+    # Queued chunks the tier reported removed meanwhile: a write that committed just before the
+    # removal must not mark them resident afterwards.
+    removed_while_queued: set[bytes] = field(default_factory=set)
     deferred: deque[bytes] = field(default_factory=deque)
     deferred_bytes: int = 0
     inflight_bytes: int = 0

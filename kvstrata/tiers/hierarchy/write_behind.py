@@ -99,6 +99,7 @@ class WriteBehind:
         (or it would be lost at a restart). Called on the tier's thread, without our lock:
         single set operations are atomic, and a race at worst repeats one write."""
         link.resident.difference_update(keys)
+        link.removed_while_queued.update(k for k in keys if k in link.queued)
 
     # ---- loop thread ---------------------------------------------------------------------------
 
@@ -112,8 +113,10 @@ class WriteBehind:
         with s.lock:
             link.inflight_bytes -= size
             link.queued.discard(key)
+            removed = key in link.removed_while_queued
+            link.removed_while_queued.discard(key)
             s.pool.release(key)
-            if ok:
+            if ok and not removed:
                 link.resident.add(key)
                 link.writes["completed"] += 1
                 link.writes["bytes"] += size
@@ -124,6 +127,10 @@ class WriteBehind:
                 link.writes["failed"] += 1
                 s.counts["writes_failed"] += 1
             more = self._pump(link)
+            if ok and removed and s.pool.is_ready(key):
+                # The tier dropped it while this write was queued, and offers meanwhile found it
+                # queued: write it again now if it is still admitted.
+                more += self.admitted(key, s.offers.get(key, 0), links=[link])
         self._start(more)
 
     def _put(self, link: TierLink, key: bytes, slot: int, group: int) -> bool:
