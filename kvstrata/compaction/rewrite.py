@@ -31,6 +31,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -233,31 +234,54 @@ def _copy_sound_records(src: Path, dst: Path) -> tuple[int, int]:
                     sync=False, metasync=False)
     kept = left_out = 0
     try:
-        with old.begin(buffers=True) as rtxn:
-            h_old = rec.Handles(*(old.open_db(n, txn=rtxn, create=False) for n in rec.DB_NAMES),
-                                old.open_db(txn=rtxn))
-            with new.begin(write=True) as wtxn:
-                h_new = rec.Handles(*(new.open_db(n, txn=wtxn) for n in rec.DB_NAMES), new.open_db(txn=wtxn))
-                totals = rec.Totals()
-                for key, value in rtxn.cursor(db=h_old.index):
-                    key = bytes(key)
-                    found = rec.decode_index(value)
-                    present, problem = rec.check(rtxn, h_old, key)
-                    if found is None or not present or problem is not None:
+        # Without txn=: a handle opened inside a read transaction is invalid outside it.
+        h_old = rec.Handles(*(old.open_db(n, create=False) for n in rec.DB_NAMES), old.open_db(None))
+
+        def read(body: Any, buffers: bool = True) -> Any:
+            # One short transaction at a time: damage found in one leaves it unusable.
+            with old.begin(buffers=buffers) as txn:
+                return body(txn, h_old)
+
+        with new.begin(write=True) as wtxn:
+            h_new = rec.Handles(*(new.open_db(n, txn=wtxn) for n in rec.DB_NAMES), new.open_db(txn=wtxn))
+            totals = rec.Totals()
+            after: bytes | None = None
+            while True:
+                try:
+                    rows = read(lambda txn, h, a=after: rec.scan_batch(txn, h.index, a, values=False),
+                                buffers=False)
+                except rec.LMDB_DAMAGE:
+                    break  # the index cannot be read past a damaged page: keep what came before
+                for key, present, problem in rec.check_all(read, [k for k, _ in rows]):
+                    copied = read(lambda txn, h, k=key: _sound_copy(txn, h, k), buffers=False) \
+                        if present and problem is None else None
+                    if copied is None:
                         left_out += 1  # damaged, unreachable by its key, or another key's
                         continue
-                    rec.put(wtxn, h_new, key, rtxn.get(key, db=h_old.payload), found, totals)
+                    rec.put(wtxn, h_new, key, copied[1], copied[0], totals)
                     kept += 1
-                namespaces, _bad = rec.namespaces(rtxn, h_old)
-                for ns, info in namespaces.items():
-                    rec.register_namespace(wtxn, h_new, ns, info)
-                fmt = rtxn.get(rec.META_FORMAT, db=h_old.meta)
-                wtxn.put(rec.META_FORMAT, bytes(fmt) if fmt is not None else str(rec.FORMAT_VERSION).encode(),
-                         db=h_new.meta)
-                wtxn.put(rec.META_CLEAN, b"1", db=h_new.meta)
-                rec.write_totals(wtxn, h_new, totals)
+                if len(rows) < rec.SCAN_BATCH:
+                    break
+                after = rows[-1][0]
+            try:
+                namespaces, _bad = read(rec.namespaces, buffers=False)
+            except rec.LMDB_DAMAGE:
+                namespaces = {}  # the records stay; they show as unregistered
+            for ns, info in namespaces.items():
+                rec.register_namespace(wtxn, h_new, ns, info)
+            wtxn.put(rec.META_FORMAT, str(rec.FORMAT_VERSION).encode(), db=h_new.meta)
+            wtxn.put(rec.META_CLEAN, b"1", db=h_new.meta)
+            rec.write_totals(wtxn, h_new, totals)
         new.sync(True)
     finally:
         new.close()
         old.close()
     return kept, left_out
+
+
+def _sound_copy(txn: lmdb.Transaction, h: rec.Handles, key: bytes) -> tuple[rec.IndexRecord, bytes] | None:
+    found = rec.decode_index(txn.get(key, db=h.index))
+    payload = txn.get(key, db=h.payload)
+    if found is None or payload is None or rec.check_frame(found, key, payload, decode=False) is not None:
+        return None
+    return found, bytes(payload)

@@ -19,7 +19,7 @@ keys) so that the serving path can count a miss and the tools can report and rep
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +71,9 @@ def deletable_in_place(problem: str) -> bool:
 
 
 # LMDB's own structure found damaged while reading one record: treated like a bad record.
+# (BadTxnError: the read transaction is dead after such an error.)
 LMDB_DAMAGE: tuple[type[Exception], ...] = (lmdb.CorruptedError, lmdb.PageNotFoundError,
-                                             lmdb.BadValsizeError)
+                                             lmdb.BadValsizeError, lmdb.BadTxnError)
 
 
 class IndexRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -276,6 +277,30 @@ def check(txn: lmdb.Transaction, h: Handles, key: bytes, *, decode: bool = True)
         return True, check_frame(rec, key, payload, decode=decode)
     except LMDB_DAMAGE:
         return True, PAGE_DAMAGED
+
+
+def check_all(read: Callable[[Callable[[lmdb.Transaction, Handles], Any]], Any], keys: Sequence[bytes],
+              *, decode: bool = True) -> list[tuple[bytes, bool, str | None]]:
+    """``(key, present, problem)`` for every key, checked in as few read transactions (``read``
+    runs a function in one) as the store's damage allows: an LMDB error leaves its transaction
+    unusable, so the keys after a damaged one are checked in a new one."""
+    out: list[tuple[bytes, bool, str | None]] = []
+    while len(out) < len(keys):
+
+        def body(txn: lmdb.Transaction, h: Handles, start: int = len(out)) -> list[tuple[bytes, bool, str | None]]:
+            done = []
+            for key in keys[start:]:
+                present, problem = check(txn, h, key, decode=decode)
+                done.append((key, present, problem))
+                if problem == PAGE_DAMAGED:
+                    break  # this transaction is dead now
+            return done
+
+        try:
+            out += read(body)
+        except LMDB_DAMAGE:
+            out.append((keys[len(out)], True, PAGE_DAMAGED))
+    return out
 
 
 def read_into(txn: lmdb.Transaction, h: Handles, key: bytes, out: Buffer) -> int | str | None:

@@ -56,22 +56,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_batch(store: DiskStore, keys: list[bytes]) -> list[_Sound | _Bad]:
-    def body(txn: lmdb.Transaction, h: rec.Handles) -> list[_Sound | _Bad]:
-        out: list[_Sound | _Bad] = []
-        for key in keys:
-            present, problem = rec.check(txn, h, key)
-            if not present:
-                continue  # evicted since the scan
-            if problem is not None:
-                out.append(_Bad(key, problem))
-                continue
-            found = rec.decode_index(txn.get(key, db=h.index))
-            assert found is not None  # checked above, same transaction
-            # One copy out of the map: the transaction must end before the file write.
-            out.append(_Sound(key, found.tick, bytes(txn.get(key, db=h.payload)), found.raw_len))
-        return out
+    out: list[_Sound | _Bad] = []
+    for key, present, problem in rec.check_all(lambda body: store.read(body, buffers=True), keys):
+        if not present:
+            continue  # evicted since the scan
+        if problem is not None:
+            out.append(_Bad(key, problem))
+            continue
+        sound = store.read(lambda txn, h, k=key: _copy_out(txn, h, k), buffers=True)
+        if sound is not None:  # None: gone since the check
+            out.append(sound)
+    return out
 
-    return store.read(body, buffers=True)
+
+def _copy_out(txn: lmdb.Transaction, h: rec.Handles, key: bytes) -> _Sound | None:
+    found = rec.decode_index(txn.get(key, db=h.index))
+    payload = txn.get(key, db=h.payload)
+    # The same frame the check decoded (same header and key-bound checksum): not decoded again.
+    if found is None or payload is None or rec.check_frame(found, key, payload, decode=False) is not None:
+        return None
+    # One copy out of the map: the transaction must end before the file write.
+    return _Sound(key, found.tick, bytes(payload), found.raw_len)
 
 
 def _records(store: DiskStore, prefix: bytes, threads: int) -> Iterator[_Sound | _Bad]:

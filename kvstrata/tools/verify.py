@@ -59,22 +59,34 @@ class Findings:
     totals_consistent: bool = True
     unreadable_index: int = 0
     bad_namespaces: list[bytes] = field(default_factory=list)
+    # Scans that stopped at a damaged page of LMDB's own structure: what lies past it is lost.
+    structure: list[str] = field(default_factory=list)
 
     @property
     def sound(self) -> bool:
-        return not self.bad and self.totals_consistent and not self.bad_namespaces
+        return not self.bad and self.totals_consistent and not self.bad_namespaces and not self.structure
 
 
 def _check_batch(store: DiskStore, keys: list[bytes]) -> list[tuple[bytes, bool, str | None]]:
-    def body(txn: lmdb.Transaction, h: rec.Handles) -> list[tuple[bytes, bool, str | None]]:
-        return [(key, *rec.check(txn, h, key)) for key in keys]
-
-    return store.read(body, buffers=True)
+    return rec.check_all(lambda body: store.read(body, buffers=True), keys)
 
 
-def _index_batches(store: DiskStore) -> Iterator[list[bytes]]:
-    for batch in store.scan("index", values=False):
-        keys = [key for key, _ in batch]
+def _scan_keys(store: DiskStore, db: str, found: Findings) -> Iterator[list[bytes]]:
+    """Batches of ``db``'s keys; a damaged page ends the scan, recorded in ``found``."""
+    batches = store.scan(db, values=False)  # type: ignore[arg-type]
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except rec.LMDB_DAMAGE as exc:
+            found.structure.append(f"the {db} database cannot be read past a damaged page ({exc})")
+            return
+        yield [key for key, _ in batch]
+
+
+def _index_batches(store: DiskStore, found: Findings) -> Iterator[list[bytes]]:
+    for keys in _scan_keys(store, "index", found):
         for i in range(0, len(keys), _CHECK_BATCH):
             yield keys[i : i + _CHECK_BATCH]
 
@@ -109,7 +121,7 @@ def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
         ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvstrata-verify") as pool,
         ts.progress(int(store.stats()["entries"]), "verifying") as bar,
     ):
-        for keys in _index_batches(store):
+        for keys in _index_batches(store, found):
             window.append(pool.submit(_check_batch, store, keys))
             if len(window) >= 2 * max(1, threads):
                 drain(bar)
@@ -119,9 +131,12 @@ def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
 
 def _check_orphans(store: DiskStore, found: Findings) -> None:
     listed = {key for key, _ in found.bad}
-    for batch in store.scan("payload", values=False):
-        keys = [key for key, _ in batch]
-        orphans = store.read(lambda txn, h, ks=keys: rec.orphan_payloads(txn, h, ks))
+    for keys in _scan_keys(store, "payload", found):
+        try:
+            orphans = store.read(lambda txn, h, ks=keys: rec.orphan_payloads(txn, h, ks))
+        except rec.LMDB_DAMAGE as exc:
+            found.structure.append(f"the index cannot be searched ({exc})")
+            return
         found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in orphans if key not in listed)
 
 
@@ -129,15 +144,36 @@ def _check_meta(store: DiskStore, found: Findings) -> None:
     def body(txn: lmdb.Transaction, h: rec.Handles) -> tuple[rec.Totals | None, rec.Totals, list[bytes]]:
         return rec.read_totals(txn, h), rec.recount(txn, h)[0], rec.namespaces(txn, h)[1]
 
-    stored, counted, found.bad_namespaces = store.read(body)
+    try:
+        stored, counted, found.bad_namespaces = store.read(body)
+    except rec.LMDB_DAMAGE as exc:
+        found.structure.append(f"the totals cannot be recounted ({exc})")
+        return
     found.totals_readable = stored is not None
     found.totals_consistent = stored == counted
+
+
+def _check_pages(store: DiskStore, found: Findings) -> None:
+    """The meta page's account of the file against the file and the databases' pages."""
+    try:
+        census = store.page_census()
+    except rec.LMDB_DAMAGE as exc:
+        found.structure.append(f"the databases' pages cannot be counted ({exc})")
+        return
+    last = census["last_pgno"]
+    if last >= census["file_pages"]:
+        found.structure.append(f"the meta page says the last page in use is {last}, the file has "
+                               f"{census['file_pages']} pages")
+    elif census["live_pages"] > last + 1:
+        found.structure.append(f"the databases use {census['live_pages']} pages, the meta page says "
+                               f"{last + 1} are in use")
 
 
 def find_problems(path: Path, threads: int) -> Findings:
     store = ts.open_store(path, readonly=True)
     try:
         found = Findings()
+        _check_pages(store, found)
         _check_index(store, threads, found)
         _check_orphans(store, found)
         _check_meta(store, found)
@@ -219,10 +255,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "totals_readable": found.totals_readable,
         "totals_consistent": found.totals_consistent,
         "unreadable_namespace_entries": [ns.hex() for ns in found.bad_namespaces],
+        "structure_damage": found.structure,
     }
     if found.sound:
         report["status"] = "sound"
-    elif args.repair and any(not rec.deletable_in_place(p) for _, p in found.bad):
+    elif args.repair and (found.structure or any(not rec.deletable_in_place(p) for _, p in found.bad)):
         report["rebuilt"] = rebuild(args.dir)
         report["status"] = "repaired"
     elif args.repair:

@@ -77,8 +77,8 @@ class Recovery:
                 rows = env.txn(lambda txn, a=after: rec.scan_batch(txn, h.index, a, values=False,
                                                                     limit=_BATCH))
                 keys = [key for key, _ in rows]
-                bad = env.txn(lambda txn, ks=keys: [k for k in ks if rec.check(txn, h, k)[1] is not None],
-                              buffers=True)
+                checked_keys = rec.check_all(lambda body: env.txn(lambda txn: body(txn, h), buffers=True), keys)
+                bad = [k for k, _present, problem in checked_keys if problem is not None]
                 checked += len(keys)
                 self.counts.bump("recovery_checked", len(keys))
                 if bad:

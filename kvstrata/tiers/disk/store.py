@@ -191,7 +191,11 @@ class DiskStore:
         dropped by the writer."""
         after: bytes | None = None
         while True:
-            good, bad, after = self._env.txn(lambda txn, a=after: rec.index_batch(txn, self.h, a))
+            try:
+                good, bad, after = self._env.txn(lambda txn, a=after: rec.index_batch(txn, self.h, a))
+            except lmdb.Error as exc:  # the index's own pages are damaged: stop, never raise
+                self._log_damage("the index cannot be read past this point", exc)
+                return
             if bad:
                 self._counts.bump("index_unreadable", len(bad))
                 self._log_damage(f"{len(bad)} unreadable index record(s), e.g. {bad[0].hex()}", None)
@@ -218,6 +222,18 @@ class DiskStore:
             if len(batch) < rec.SCAN_BATCH:
                 return
             after = batch[-1][0]
+
+    def page_census(self) -> dict[str, int]:
+        """LMDB's own account of the file: page size, the last page in use (from the meta page),
+        the pages the databases use, and the pages the file has. A meta page that names a last
+        page beyond the file, or fewer pages than the databases use, is damaged."""
+        info, psize = self._env.env.info(), self._env.env.stat()["psize"]
+        try:
+            file_bytes = (self.path / rec.DATA_FILE).stat().st_size
+        except OSError:
+            file_bytes = 0
+        return {"psize": psize, "last_pgno": int(info["last_pgno"]),
+                "live_pages": self.read(rec.live_bytes) // psize, "file_pages": file_bytes // psize}
 
     def key_namespaces(self) -> list[bytes]:
         """The distinct namespaces of the stored keys (a record may outlive its registration)."""
