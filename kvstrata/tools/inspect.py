@@ -74,10 +74,10 @@ def _bucket(age_s: float) -> int:
     return len(AGE_BUCKETS) - 1
 
 
-def _scan(store: DiskStore, now_us: int) -> _Scan:
+def _scan(store: DiskStore, now_us: int, damage: list[str]) -> _Scan:
     out = _Scan()
     with ts.progress(int(store.stats()["entries"]), "reading the index") as bar:
-        for batch in store.scan("index"):
+        for batch in store.scan("index", damage=damage):
             for key, value in batch:
                 found = rec.decode_index(value)
                 if found is None:
@@ -148,11 +148,21 @@ def _namespace_row(ns: bytes, info: dict[str, Any] | None, st: _NsStats) -> dict
 
 def inspect_store(path: Path, budget_bytes: int | None) -> dict[str, Any]:
     store = ts.open_store(path, readonly=True)
+    damage: list[str] = []  # what could not be read (LMDB's own pages damaged)
     try:
         now_us = time.time_ns() // 1000
-        state = store.read(_store_state)
-        scan = _scan(store, now_us)
-        census = _file_census(store)
+        try:
+            state = store.read(_store_state)
+        except rec.LMDB_DAMAGE as exc:
+            damage.append(f"the totals cannot be recounted ({exc})")
+            state = {"format": None, "clean": None, "totals_readable": False, "totals_consistent": False,
+                     "registered": {}, "bad_namespaces": []}
+        scan = _scan(store, now_us, damage)
+        try:
+            census = _file_census(store)
+        except rec.LMDB_DAMAGE as exc:
+            damage.append(f"the databases' pages cannot be counted ({exc})")
+            census = {"file_bytes": 0, "live_bytes": 0, "reclaimable_bytes": 0}
     finally:
         store.close()
     fmt, clean, registered = state["format"], state["clean"], state["registered"]
@@ -187,6 +197,7 @@ def inspect_store(path: Path, budget_bytes: int | None) -> dict[str, Any]:
         "totals_consistent": state["totals_consistent"],
         "unreadable_index_records": scan.unreadable,
         "unreadable_namespace_entries": [ns.hex() for ns in state["bad_namespaces"]],
+        "structure_damage": damage,
         "oldest_access_age_s": None if scan.oldest_tick is None else round((now_us - scan.oldest_tick) / 1e6, 3),
         "newest_access_age_s": None if scan.newest_tick is None else round((now_us - scan.newest_tick) / 1e6, 3),
         "namespaces": rows,
@@ -227,6 +238,8 @@ def _print_report(r: dict[str, Any]) -> None:
         print("totals      the store's running totals are unreadable: `kvstrata verify --repair` rewrites them")
     elif not r["totals_consistent"]:
         print("totals      the store's running totals differ from its index: run `kvstrata verify`")
+    for what in r["structure_damage"]:
+        print(f"damaged     {what}: run `kvstrata verify --repair` (it rebuilds the store)")
     if r["unreadable_namespace_entries"]:
         print(f"damaged     {len(r['unreadable_namespace_entries'])} unreadable namespace entries: "
               "run `kvstrata verify --repair`")

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lmdb
 
@@ -71,17 +71,9 @@ def _check_batch(store: DiskStore, keys: list[bytes]) -> list[tuple[bytes, bool,
     return rec.check_all(lambda body: store.read(body, buffers=True), keys)
 
 
-def _scan_keys(store: DiskStore, db: str, found: Findings) -> Iterator[list[bytes]]:
+def _scan_keys(store: DiskStore, db: Literal["index", "payload"], found: Findings) -> Iterator[list[bytes]]:
     """Batches of ``db``'s keys; a damaged page ends the scan, recorded in ``found``."""
-    batches = store.scan(db, values=False)  # type: ignore[arg-type]
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except rec.LMDB_DAMAGE as exc:
-            found.structure.append(f"the {db} database cannot be read past a damaged page ({exc})")
-            return
+    for batch in store.scan(db, values=False, damage=found.structure):
         yield [key for key, _ in batch]
 
 
@@ -169,6 +161,30 @@ def _check_pages(store: DiskStore, found: Findings) -> None:
                                f"{last + 1} are in use")
 
 
+def _check_writable(path: Path, found: Findings) -> None:
+    """Whether a write transaction can allocate pages (a damaged free-page list makes every
+    write fail while every read works). The transaction is aborted: nothing is changed."""
+    try:
+        env = lmdb.open(str(path), max_dbs=4, subdir=True, create=False)
+    except lmdb.Error:
+        return  # read-only file system or no write permission: not a sign of damage
+    try:
+        with env.begin(write=True) as txn:
+            meta = env.open_db(rec.DB_META, txn=txn, create=False)
+            txn.put(b"verify-probe", b"x" * 8192, db=meta)  # needs a fresh page
+            raise _Abort
+    except _Abort:
+        pass
+    except lmdb.Error as exc:
+        found.structure.append(f"no write can succeed: {exc}")
+    finally:
+        env.close()
+
+
+class _Abort(Exception):
+    pass
+
+
 def find_problems(path: Path, threads: int) -> Findings:
     store = ts.open_store(path, readonly=True)
     try:
@@ -177,9 +193,10 @@ def find_problems(path: Path, threads: int) -> Findings:
         _check_index(store, threads, found)
         _check_orphans(store, found)
         _check_meta(store, found)
-        return found
     finally:
         store.close()
+    _check_writable(path, found)
+    return found
 
 
 def repair(path: Path, found: Findings) -> dict[str, Any]:

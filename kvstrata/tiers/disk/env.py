@@ -254,11 +254,17 @@ class StoreEnv:
     def _start_session(self, first: bool) -> None:
         """Read and clear the clean-shutdown marker; make the cleared marker durable first."""
         self.env.reader_check()  # drop reader slots left by killed processes
-        with self.env.begin(write=True) as txn:
-            marker = txn.get(rec.META_CLEAN, db=self.handles.meta)
-            # A never-closed new store has no marker; "0" means a session ended without close().
-            self.unclean = first and marker == b"0"
-            txn.put(rec.META_CLEAN, b"0", db=self.handles.meta)
+        try:
+            with self.env.begin(write=True) as txn:
+                marker = txn.get(rec.META_CLEAN, db=self.handles.meta)
+                # A never-closed new store has no marker; "0": a session ended without close().
+                self.unclean = first and marker == b"0"
+                txn.put(rec.META_CLEAN, b"0", db=self.handles.meta)
+        except rec.LMDB_DAMAGE as exc:  # e.g. the free-page list's root damaged: no write works
+            raise StoreFormatError(
+                f"store at {self.path} cannot be written: its structure is damaged ({exc}); "
+                f"`kvstrata verify --repair {self.path}` rebuilds it from the records it can read"
+            ) from exc
         self.env.sync(True)
         if self.unclean:
             log.warning("store at %s was not closed cleanly: verifying every record", self.path)

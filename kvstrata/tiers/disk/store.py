@@ -209,14 +209,22 @@ class DiskStore:
                 return
 
     def scan(self, db: Literal["index", "payload", "meta"] = "index", *, prefix: bytes = b"",
-             values: bool = True) -> Iterator[list[tuple[bytes, bytes | None]]]:
+             values: bool = True, damage: list[str] | None = None) -> Iterator[list[tuple[bytes, bytes | None]]]:
         """Batches of ``(key, value copy or None)`` of one database in key order, under
         ``prefix``, each batch its own short read transaction (payload keys are read without
-        touching their value pages when ``values`` is False)."""
+        touching their value pages when ``values`` is False). ``damage``: a damaged page of
+        LMDB's own structure ends the scan, said there, instead of raising."""
         handle = getattr(self.h, db)
         after: bytes | None = None
         while True:
-            batch = self._env.txn(lambda txn, a=after: rec.scan_batch(txn, handle, a, prefix=prefix, values=values))
+            try:
+                batch = self._env.txn(lambda txn, a=after: rec.scan_batch(txn, handle, a, prefix=prefix,
+                                                                          values=values))
+            except rec.LMDB_DAMAGE as exc:
+                if damage is None:
+                    raise
+                damage.append(f"the {db} database cannot be read past a damaged page ({exc})")
+                return
             if batch:
                 yield batch
             if len(batch) < rec.SCAN_BATCH:
