@@ -45,6 +45,9 @@ _RECONCILED = (UNREACHABLE, rec.ORPHAN_PAYLOAD, rec.PAYLOAD_MISSING)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, metavar="DIR", help="store directory")
     parser.add_argument("--repair", action="store_true", help="drop the bad records (and only those)")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="with --repair: rebuild the store from its sound records even when no "
+                             "damage to its structure was found (a store that stopped admitting chunks)")
     parser.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
                         help="decompression threads (default: up to 4)")
     parser.add_argument("--show", type=int, default=100, metavar="N",
@@ -145,13 +148,14 @@ def _check_meta(store: DiskStore, found: Findings) -> None:
     found.totals_consistent = stored == counted
 
 
-def _check_pages(store: DiskStore, found: Findings) -> None:
-    """The meta page's account of the file against the file and the databases' pages."""
+def _check_pages(store: DiskStore, found: Findings) -> int:
+    """The meta page's account of the file against the file and the databases' pages; returns
+    the bytes of the pages not in use (free, or held for older readers)."""
     try:
         census = store.page_census()
     except rec.LMDB_DAMAGE as exc:
         found.structure.append(f"the databases' pages cannot be counted ({exc})")
-        return
+        return 0
     last = census["last_pgno"]
     if last >= census["file_pages"]:
         found.structure.append(f"the meta page says the last page in use is {last}, the file has "
@@ -159,11 +163,19 @@ def _check_pages(store: DiskStore, found: Findings) -> None:
     elif census["live_pages"] > last + 1:
         found.structure.append(f"the databases use {census['live_pages']} pages, the meta page says "
                                f"{last + 1} are in use")
+    return max(0, last + 1 - census["live_pages"]) * census["psize"]
 
 
-def _check_writable(path: Path, found: Findings) -> None:
-    """Whether a write transaction can allocate pages (a damaged free-page list makes every
-    write fail while every read works). The transaction is aborted: nothing is changed."""
+# The write probe allocates at most this much: every free page of a small store, the first
+# ones LMDB would reuse of a large one (a damaged entry further down its free-page list shows
+# only when writes reach it: `verify --repair --rebuild` then rebuilds the store anyway).
+_PROBE_MAX_BYTES = 64 << 20
+
+
+def _check_writable(path: Path, found: Findings, free_bytes: int) -> None:
+    """Whether a write transaction can allocate pages (a damaged free-page list makes writes
+    fail while every read works): one value as large as the free pages (up to a cap) makes
+    LMDB reuse them. The transaction is aborted: nothing is changed."""
     try:
         env = lmdb.open(str(path), max_dbs=4, subdir=True, create=False)
     except lmdb.Error:
@@ -171,7 +183,7 @@ def _check_writable(path: Path, found: Findings) -> None:
     try:
         with env.begin(write=True) as txn:
             meta = env.open_db(rec.DB_META, txn=txn, create=False)
-            txn.put(b"verify-probe", b"x" * 8192, db=meta)  # needs a fresh page
+            txn.put(b"verify-probe", bytes(max(8192, min(free_bytes, _PROBE_MAX_BYTES))), db=meta)
             raise _Abort
     except _Abort:
         pass
@@ -189,13 +201,13 @@ def find_problems(path: Path, threads: int) -> Findings:
     store = ts.open_store(path, readonly=True)
     try:
         found = Findings()
-        _check_pages(store, found)
+        free_bytes = _check_pages(store, found)
         _check_index(store, threads, found)
         _check_orphans(store, found)
         _check_meta(store, found)
     finally:
         store.close()
-    _check_writable(path, found)
+    _check_writable(path, found, free_bytes)
     return found
 
 
@@ -274,7 +286,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "unreadable_namespace_entries": [ns.hex() for ns in found.bad_namespaces],
         "structure_damage": found.structure,
     }
-    if found.sound:
+    if args.repair and args.rebuild:
+        report["rebuilt"] = rebuild(args.dir)
+        report["status"] = "rebuilt"
+    elif found.sound:
         report["status"] = "sound"
     elif args.repair and (found.structure or any(not rec.deletable_in_place(p) for _, p in found.bad)):
         report["rebuilt"] = rebuild(args.dir)

@@ -244,6 +244,9 @@ class Writer:
         if not self._full_logged:
             self._full_logged = True
             hint = " (disk full)" if getattr(exc, "errno", None) == errno.ENOSPC else ""
+            if isinstance(exc, rec.LMDB_DAMAGE):
+                hint = (f" (the store's structure is damaged: `kvstrata verify --repair --rebuild "
+                        f"{self.env.path}` rebuilds it from its records)")
             log.warning("store at %s stopped admitting new chunks for %.0fs%s: %s: %s",
                         self.env.path, self._full_retry_s, hint, type(exc).__name__, exc)
 
