@@ -17,6 +17,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from kvstrata.remote_address import RemoteURLError, parse_remote_url
+
 DEFAULT_STORE_ENV = "KVSTRATA_STORE"
 DEFAULT_HOST_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 64 << 30
@@ -127,6 +129,22 @@ class StrataConfig:
     # Writing chunks down to the disk (compression, LMDB puts, syncs) runs at idle CPU priority
     # (tiers/priority.py), so it takes only cores serving leaves idle; "normal" does not lower it.
     background_priority: str = "idle"
+    # The shared tier (tiers/remote): a Redis/Valkey server or cluster every engine of a
+    # deployment reads and writes, behind the host tier and the local disk (if any). None: off.
+    remote_url: str | None = None
+    # Connect and per-reply timeouts: a remote call ends within about their sum; after a failure
+    # the tier is skipped (misses) until a probe every remote_probe_interval_s finds it again.
+    remote_connect_timeout_s: float = 0.2
+    remote_timeout_s: float = 0.25
+    remote_probe_interval_s: float = 1.0
+    remote_max_connections: int = 16
+    # Offers (stores, host hits) before a chunk is written to the shared tier ("all" = 1).
+    remote_admission: int = 1
+    # Bytes of writes to the shared tier in flight; writes beyond are dropped and counted
+    # (a slow server never holds host slots or delays serving).
+    remote_write_backlog_bytes: int = 64 << 20
+    # Expire shared values after this long; null leaves eviction to the server's maxmemory policy.
+    remote_ttl_s: float | None = None
 
     def resolve_io_threads(self) -> int:
         """The number of disk read threads (``io_threads``, "auto" resolved here)."""
@@ -167,6 +185,11 @@ class StrataConfig:
         for key, value in extra.items():
             kwargs[key] = _VALIDATORS[key](key, value)
         cfg = cls(**kwargs)
+        if cfg.remote_timeout_s + cfg.remote_connect_timeout_s > 10:
+            raise ConfigError(
+                "kvstrata options 'remote_connect_timeout_s' + 'remote_timeout_s' exceed 10 s: "
+                "a remote call that slow would stall serving; the shared tier is best effort"
+            )
         if cfg.warm_start_bytes > cfg.host_bytes:
             raise ConfigError(
                 f"kvstrata option 'warm_start_bytes' ({cfg.warm_start_bytes} bytes) exceeds "
@@ -312,7 +335,38 @@ _VALIDATORS = {
     "self_describing_kv_events": _bool,
     "warm_start_bytes": parse_size,
     "background_priority": _choice("idle", "normal"),
+    "remote_url": lambda k, v: _remote_url(k, v),
+    "remote_connect_timeout_s": lambda k, v: _seconds(k, v),
+    "remote_timeout_s": lambda k, v: _seconds(k, v),
+    "remote_probe_interval_s": lambda k, v: _seconds(k, v),
+    "remote_max_connections": _int_range(1, 1024),
+    "remote_admission": _admission,
+    "remote_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),
+    "remote_ttl_s": _optional_seconds,
 }
+
+
+def _seconds(key: str, value: Any) -> float:
+    try:
+        seconds = None if value is None else _optional_seconds(key, value)
+    except ConfigError:
+        seconds = None
+    if seconds is None:
+        raise ConfigError(
+            f"kvstrata option {key!r}: expected a positive finite number of seconds, got {_shown(value)}")
+    return seconds
+
+
+def _remote_url(key: str, value: Any) -> str | None:
+    """A ``redis://``, ``rediss://``, ``valkey://`` or ``redis+cluster://`` URL, or null (off).
+    Parsed here only to refuse a bad one at start-up (remote_address.py)."""
+    if value is None:
+        return None
+    try:
+        parse_remote_url(value)
+    except RemoteURLError as exc:
+        raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
+    return str(value).strip()
 
 
 def _min_size(key: str, value: Any, minimum: int) -> int:

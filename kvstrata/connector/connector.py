@@ -50,14 +50,15 @@ logger = logging.getLogger("kvstrata")
 def build_hierarchy(
     plan: KVPlan, cfg: StrataConfig, *, events: bool = False
 ) -> tuple[Any, list[Any], Path | None]:
-    """The scheduler's tier stack: host slab + pool, LMDB disk store, the I/O pipeline.
-    ``events``: record tier changes for vLLM's KV cache events.
+    """The scheduler's tier stack: host slab + pool, then the LMDB disk store and the shared
+    Redis/Valkey tier where configured, and the I/O pipeline. ``events``: record tier changes for
+    vLLM's KV cache events.
 
-    Returns the hierarchy, what to close after it (disk store, slab), and for a session-only store
-    the temporary directory to remove.
+    Returns the hierarchy, what to close after it (lower tiers, slab), and for a session-only
+    store the temporary directory to remove.
     """
     from kvstrata.tiers.disk import DiskStore
-    from kvstrata.tiers.hierarchy import Hierarchy
+    from kvstrata.tiers.hierarchy import DEFAULT_WRITE_INFLIGHT_BYTES, Hierarchy
     from kvstrata.tiers.host import HostPool, HostSlab, sweep_stale_slabs
 
     # Engines killed without a clean shutdown leave their host tier behind in shared memory.
@@ -89,6 +90,29 @@ def build_hierarchy(
         )
         for rank, ns in enumerate(plan.namespaces):
             disk.register_namespace(ns, namespace_info(plan.identity, rank))
+    remote = None
+    if cfg.remote_url is not None:
+        from kvstrata.tiers.remote import RemoteStore
+
+        if not plan.persistent:
+            # Block hashes of this process are its own: another engine could never find them.
+            logger.warning("kvstrata: the shared tier (%s) is off: prefix_caching_hash_algo=%r "
+                           "without PYTHONHASHSEED gives block hashes no other engine shares",
+                           cfg.remote_url, plan.identity.hash_algo)
+        else:
+            remote = RemoteStore(
+                cfg.remote_url, connect_timeout_s=cfg.remote_connect_timeout_s,
+                timeout_s=cfg.remote_timeout_s, max_connections=cfg.remote_max_connections,
+                probe_interval_s=cfg.remote_probe_interval_s, ttl_s=cfg.remote_ttl_s,
+                codec=cfg.codec, level=cfg.zstd_level)
+    # (tier, admission, backpressure, write bytes in flight): the disk defers writes it cannot
+    # take yet (up to its backlog); the shared tier drops them, so a slow server never holds
+    # host slots.
+    links: list[tuple[Any, int, str, int]] = []
+    if disk is not None:
+        links.append((disk, cfg.admission, "defer", DEFAULT_WRITE_INFLIGHT_BYTES))
+    if remote is not None:
+        links.append((remote, cfg.remote_admission, "drop", cfg.remote_write_backlog_bytes))
     # Per vLLM group index (the last 4 bytes of a chunk key); groups not offloaded never occur.
     n = max(g.index for g in plan.groups) + 1
     shard = [0] * n
@@ -98,19 +122,21 @@ def build_hierarchy(
         dtypes[g.index] = g.dtype
     hierarchy = Hierarchy(
         pool,
-        disk,
+        [t for t, _, _, _ in links],
         namespaces=list(plan.namespaces),
         group_shard_bytes=shard,
         group_dtypes=dtypes,
         shard_bytes=plan.shard_bytes,
-        admit_after=cfg.admission,
+        admit_after=[a for _, a, _, _ in links],
+        write_backpressure=[p for _, _, p, _ in links],  # type: ignore[misc]
+        max_write_inflight_bytes=[b for _, _, _, b in links],
         max_deferred_bytes=cfg.max_disk_write_backlog_bytes,
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.resolve_io_threads(),
         events=events,
         idle_writes=cfg.background_priority == "idle",
     )
-    return hierarchy, [c for c in (disk, slab) if c is not None], session_dir
+    return hierarchy, [c for c in (remote, disk, slab) if c is not None], session_dir
 
 
 def _lower_switch_interval(seconds: float | None) -> None:

@@ -119,6 +119,9 @@ class KVEvents:
             self._tracker.record_lookup(req, self._groups[group], chunk_index, OffloadKey(key))  # type: ignore[arg-type]
 
     def translate(self, changes: list[tuple[str, bool, list[bytes]]]) -> list[KVCacheEvent]:
+        # Only this engine's own tiers: the shared tier's contents are every engine's, and a
+        # router learns of a shared chunk from the engine that promotes it (a host store event).
+        changes = [c for c in changes if c[0] in MEDIUM_OF_TIER]
         if not self.self_describing:
             return list(kv_cache_events(changes))
         # Both tiers report their removals, so every stored residency expects one.

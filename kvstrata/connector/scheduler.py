@@ -31,7 +31,7 @@ from kvstrata.connector.metadata import (
 from kvstrata.connector.plan import KVPlan
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
-from kvstrata.tiers.hierarchy import TIER_DISK, chunk_group
+from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE, chunk_group
 from kvstrata.tiers.manager import TierManager
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,9 @@ class _RequestState:
     num_local: int = 0
     jobs: set[int] = field(default_factory=set)
     finished_signaled: bool = False
-    # keys a lookup of this request found only on disk (promoted): for per-tier hit attribution
-    promoted: set[bytes] = field(default_factory=set)
+    # keys a lookup of this request found only in a lower tier (promoted), with that tier's
+    # name: for per-tier hit attribution
+    promoted: dict[bytes, str] = field(default_factory=dict)
     load_keys: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, key)
     lookup_started: float | None = None
     hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)
@@ -81,12 +82,19 @@ class _Job:
     fenced: list[int] = field(default_factory=list)
     deferred_fence: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
-    hit: tuple[int, int] = (0, 0)  # loads: (tokens, of which promoted from disk), counted on success
+    # loads: (tokens, of which promoted from each lower tier), counted on success
+    hit: tuple[int, dict[str, int]] = field(default_factory=lambda: (0, {}))
     failed: bool = False  # some worker reported it failed (the others may report later)
 
 
 # Longest an empty engine step waits for promotions from disk (see StrataScheduler._idle_wait).
 IDLE_WAIT_S = 0.02
+
+# Where vLLM's per-source hit figures put each lower tier; the farther tier wins a token range
+# loaded from chunks of several tiers. vLLM has no "remote" source: a remote store is
+# EXTERNAL_UNSPECIFIED in its enum (vllm/v1/metrics/cache_hit_source.py).
+_HIT_SOURCE = {TIER_DISK: CacheHitSource.DISK, TIER_REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
+_TIER_RANK = {TIER_DISK: 1, TIER_REMOTE: 2}
 
 
 def _request_cap(req: Request, name: str) -> int | None:
@@ -256,25 +264,34 @@ class StrataScheduler:
         st = self._reqs.get(request.request_id)
         return dict(st.hit_sources) if st is not None and num_external else {}
 
-    def _attribute_hit(self, st: _RequestState, num_external: int) -> int:
-        """Tokens per tier: chunks promoted from disk for this request count as DISK, else HOST.
-        Sets vLLM's per-source figures; returns the DISK tokens (counted in our stats once the
-        load succeeded: a streamed load may still fail)."""
+    def _attribute_hit(self, st: _RequestState, num_external: int) -> dict[str, int]:
+        """Tokens per tier: a token range loaded from chunks promoted for this request counts
+        for the farthest tier one of them came from, anything else for the host tier. Sets
+        vLLM's per-source figures; returns the lower tiers' tokens by tier name (counted in our
+        stats once the load succeeded: a streamed load may still fail)."""
         start, end = st.num_local, st.num_local + num_external
-        disk = 0
-        covered: set[tuple[int, int]] = set()
+        source: dict[tuple[int, int], str] = {}
         for lo, hi, key in st.load_keys:
             lo, hi = max(lo, start), min(hi, end)
-            if lo < hi and key in st.promoted and (lo, hi) not in covered:
-                covered.add((lo, hi))
-                disk += hi - lo
-        disk = min(disk, num_external)
+            tier = st.promoted.get(key)
+            if lo < hi and tier is not None:
+                known = source.get((lo, hi))
+                if known is None or _TIER_RANK.get(tier, 0) > _TIER_RANK.get(known, 0):
+                    source[(lo, hi)] = tier
+        lower: dict[str, int] = {}
+        budget = num_external
+        for (lo, hi), tier in source.items():
+            n = min(hi - lo, budget)
+            budget -= n
+            if n:
+                lower[tier] = lower.get(tier, 0) + n
         st.hit_sources = {}
-        if disk:
-            st.hit_sources[CacheHitSource.DISK] = disk
-        if num_external - disk:
-            st.hit_sources[CacheHitSource.HOST] = num_external - disk
-        return disk
+        for tier, n in lower.items():
+            src = _HIT_SOURCE.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            st.hit_sources[src] = st.hit_sources.get(src, 0) + n
+        if budget:
+            st.hit_sources[CacheHitSource.HOST] = budget
+        return lower
 
     # -------------------------------------------------------------------- load
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -335,7 +352,7 @@ class StrataScheduler:
             for t in transfers
             for g in (self._geom(t.group),)
         ]
-        disk_tokens = self._attribute_hit(st, num_external)
+        lower_tokens = self._attribute_hit(st, num_external)
         # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32). A hit
         # ending in a tail (the prompt's, or a partial one) loaded that chunk under its tail key:
         # its full key is still to be stored once decoding completes it.
@@ -344,7 +361,7 @@ class StrataScheduler:
             covered = cached // tpc if tail_keys is not None else -(-cached // tpc)
             st.groups[geom.index].next_stored_chunk = covered
         job_id = self._new_job(st, is_store=False, keys=keys)
-        self._jobs[job_id].hit = (num_external, disk_tokens)
+        self._jobs[job_id].hit = (num_external, lower_tokens)
         self._loads.append(TransferJob(job_id, request.request_id, False, copies))
         if any(c.ticket > 0 for c in copies):
             self._streaming.add(job_id)
@@ -722,10 +739,11 @@ class StrataScheduler:
             if self._being_loaded:
                 self._being_loaded.difference_update(job.keys)
             if ok:
-                tokens, disk = job.hit
+                tokens, lower = job.hit
                 self.stats.hit_tokens += tokens
-                self.stats.hit_tokens_disk += disk
-                self.stats.hit_tokens_host += tokens - disk
+                self.stats.hit_tokens_disk += lower.get(TIER_DISK, 0)
+                self.stats.hit_tokens_remote += lower.get(TIER_REMOTE, 0)
+                self.stats.hit_tokens_host += tokens - sum(lower.values())
             else:
                 self.stats.load_failures += 1
                 if st is not None:
@@ -814,6 +832,15 @@ class StrataScheduler:
             "warm_promotions": int(h.get("warm_promotions", 0)),
             "writes_behind": int(h.get("writes_completed", 0)),
         }
+        r = h.get("tiers", {}).get(TIER_REMOTE)
+        if r is not None and "error" not in r:
+            out.update(
+                remote_available=int(r["available"]), remote_read_bytes=int(r["get_bytes"]),
+                remote_written_bytes=int(r["put_bytes"]), remote_hits=int(r["get_hits"]),
+                remote_errors=int(r["errors"]) + int(r["unavailable"]),
+                remote_unavailable_skips=int(r["skipped_unavailable"]),
+                remote_corrupt=int(r["corrupt"]), remote_writes_dropped=int(r.get("writes_dropped", 0)),
+            )
         d = h.get("tiers", {}).get(TIER_DISK)
         if d is not None and "error" not in d:
             out.update(

@@ -21,6 +21,7 @@ COUNTERS = {
     "hit_tokens": "Tokens served from kvstrata (all tiers)",
     "hit_tokens_host": "Tokens served from the host tier",
     "hit_tokens_disk": "Tokens served after promotion from the disk tier",
+    "hit_tokens_remote": "Tokens served after promotion from the shared (Redis/Valkey) tier",
     "load_jobs": "Load jobs (device <- host)",
     "streamed_loads": "Load jobs sent before all their chunks landed from disk (stream_loads)",
     "store_jobs": "Store jobs (device -> host)",
@@ -37,6 +38,10 @@ GAUGES = (
     "host_chunks", "host_bytes", "disk_entries", "disk_raw_bytes", "disk_stored_bytes",
     "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt",
     "promotions", "warm_promotions", "writes_behind",
+    # The shared tier: whether it answers now, bytes moved, values served, and what went wrong
+    # (errors: failed or refused calls; unavailable_skips: calls not made while it was down).
+    "remote_available", "remote_read_bytes", "remote_written_bytes", "remote_hits",
+    "remote_errors", "remote_unavailable_skips", "remote_corrupt", "remote_writes_dropped",
 )
 _OBS = "lookup_delay_s"
 

@@ -4,7 +4,7 @@ changes and statistics. ``kvstrata.tiers.hierarchy.Hierarchy`` implements it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any, Protocol
 
 from kvstrata.presence import Presence
@@ -17,7 +17,7 @@ class TierManager(Protocol):
         """The lower tiers, nearest first."""
         ...
 
-    def lookup_many(self, keys: Sequence[bytes], promoting: set[bytes] | None = None, *,
+    def lookup_many(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None = None, *,
                     stream: bool = False, prefix: bool = False,
                     protect: set[bytes] | None = None) -> list[Presence]:
         """HIT / PENDING / MISS per chunk key; chunks only in a lower tier start their

@@ -321,12 +321,12 @@ def test_promotions_in_flight_can_be_awaited(env):
     gated, h2 = _restart_with_stuck_reads(env, keys)
     assert not h2.in_flight(keys)
     assert h2.wait_promotions(keys, 0.0)  # nothing to wait for
-    promoting: set[bytes] = set()
+    promoting: dict[bytes, str] = {}
     assert h2.lookup_many(keys, promoting) == [PENDING] * 4
-    assert promoting == set(keys)
-    again: set[bytes] = set()
+    assert promoting == dict.fromkeys(keys, "disk")
+    again: dict[bytes, str] = {}
     assert h2.lookup_many(keys + [key(99)], again) == [PENDING] * 4 + [MISS]
-    assert again == set(keys)  # still promoting: reported on every lookup
+    assert again == dict.fromkeys(keys, "disk")  # still promoting: reported on every lookup
     assert h2.in_flight(keys[:1]) and not h2.in_flight([key(99)])
     t0 = time.monotonic()
     assert not h2.wait_promotions(keys, 0.05)  # reads are stuck: times out

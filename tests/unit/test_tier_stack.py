@@ -148,7 +148,7 @@ def test_a_tier_that_fails_is_a_miss_and_the_next_tier_is_asked(make) -> None:
 
 
 def test_admission_thresholds_must_match_the_tiers(make) -> None:
-    with pytest.raises(ValueError, match="admission thresholds"):
+    with pytest.raises(ValueError, match="1 values of admit_after for 2 lower tiers"):
         make(lower=[make.store("a"), make.store("b", FarTier)], admit_after=[1])
 
 

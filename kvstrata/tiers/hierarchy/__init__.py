@@ -3,8 +3,14 @@
 ``promoter`` and ``background`` (warm start, disk announcement)."""
 
 from kvstrata.tiers.hierarchy.hierarchy import Hierarchy
-from kvstrata.tiers.hierarchy.shared import TIER_HOST, TierLink, chunk_group
+from kvstrata.tiers.hierarchy.shared import (
+    DEFAULT_WRITE_INFLIGHT_BYTES,
+    TIER_HOST,
+    TierLink,
+    chunk_group,
+)
 
 TIER_DISK = "disk"  # DiskStore's tier name
+TIER_REMOTE = "remote"  # RemoteStore's tier name
 
-__all__ = ["TIER_DISK", "TIER_HOST", "Hierarchy", "TierLink", "chunk_group"]
+__all__ = ["DEFAULT_WRITE_INFLIGHT_BYTES", "TIER_DISK", "TIER_HOST", "TIER_REMOTE", "Hierarchy", "TierLink", "chunk_group"]

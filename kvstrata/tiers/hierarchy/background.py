@@ -27,7 +27,7 @@ ANNOUNCE_BATCH = 1024  # chunk keys per announced change (one KV event per group
 
 class Background:
     def __init__(self, shared: Shared, pipeline: Pipeline,
-                 promote: Callable[[Sequence[bytes], set[bytes]], Any],
+                 promote: Callable[[Sequence[bytes], dict[bytes, str]], Any],
                  wait_promotions: Callable[[Sequence[bytes], float | None], bool]) -> None:
         self.s = shared
         self.pipe = pipeline
@@ -72,7 +72,7 @@ class Background:
         free slots are all taken."""
         with self.s.lock:
             free = self.s.pool.free_slots
-        started: set[bytes] = set()
+        started: dict[bytes, str] = {}
         if free:
             self._promote(keys[:free], started)
         with self.s.lock:

@@ -25,13 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any, Literal
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy.background import Background
 from kvstrata.tiers.hierarchy.promoter import Promoter
-from kvstrata.tiers.hierarchy.shared import TIER_HOST, Pipeline, Shared, TierLink
+from kvstrata.tiers.hierarchy.shared import (
+    DEFAULT_WRITE_INFLIGHT_BYTES,
+    TIER_HOST,
+    Pipeline,
+    Shared,
+    TierLink,
+)
 from kvstrata.tiers.hierarchy.write_behind import WriteBehind
 from kvstrata.tiers.host import HostPool
 from kvstrata.tiers.lower import LowerTier, all_shards_present
@@ -58,7 +64,10 @@ class Hierarchy:
             ``prepare_store`` of it, or a host hit on it at lookup); 1 = every stored chunk. One
             value for every tier, or one per tier.
         write_backpressure: "defer" (keep the slot, write when the tier catches up, up to
-            ``max_deferred_bytes`` per tier) or "drop".
+            ``max_deferred_bytes`` per tier) or "drop"; one value for every tier, or one per
+            tier.
+        max_write_inflight_bytes: bytes of writes in flight per tier before backpressure (one
+            value, or one per tier).
         idle_writes: write-behind threads run at idle CPU priority (``tiers.priority``).
     """
 
@@ -72,8 +81,8 @@ class Hierarchy:
         group_dtypes: Sequence[str],
         shard_bytes: int | None = None,
         admit_after: int | Sequence[int] = 1,
-        write_backpressure: Literal["defer", "drop"] = "defer",
-        max_write_inflight_bytes: int = 128 << 20,
+        write_backpressure: Literal["defer", "drop"] | Sequence[Literal["defer", "drop"]] = "defer",
+        max_write_inflight_bytes: int | Sequence[int] = DEFAULT_WRITE_INFLIGHT_BYTES,
         max_deferred_bytes: int | None = None,
         max_concurrent_reads: int = 4,
         read_threads: int = 2,
@@ -82,13 +91,15 @@ class Hierarchy:
         events: bool = False,
         idle_writes: bool = True,
     ) -> None:
-        if write_backpressure not in ("defer", "drop"):
-            raise ValueError(f"write_backpressure must be 'defer' or 'drop', not {write_backpressure!r}")
         tiers = [] if lower is None else list(lower) if isinstance(lower, (list, tuple)) else [lower]
-        admits = [admit_after] * len(tiers) if isinstance(admit_after, int) else list(admit_after)
-        if len(admits) != len(tiers):
-            raise ValueError(f"{len(admits)} admission thresholds for {len(tiers)} lower tiers")
-        links = [TierLink(t, i, max(1, a)) for i, (t, a) in enumerate(zip(tiers, admits, strict=True))]
+        admits = _per_tier("admit_after", admit_after, len(tiers))
+        pressure = _per_tier("write_backpressure", write_backpressure, len(tiers))
+        inflight = _per_tier("max_write_inflight_bytes", max_write_inflight_bytes, len(tiers))
+        for p in pressure:
+            if p not in ("defer", "drop"):
+                raise ValueError(f"write_backpressure must be 'defer' or 'drop', not {p!r}")
+        links = [TierLink(t, i, max(1, a), defer=p == "defer", max_inflight=m)
+                 for i, (t, a, p, m) in enumerate(zip(tiers, admits, pressure, inflight, strict=True))]
         s = self._s = Shared(
             host_pool, links, namespaces=namespaces, group_shard_bytes=group_shard_bytes,
             group_dtypes=group_dtypes, shard_bytes=shard_bytes, events=events,
@@ -100,8 +111,7 @@ class Hierarchy:
         self._pipe = Pipeline(links, read_threads=read_threads, write_threads=write_threads,
                               max_concurrent_reads=max_concurrent_reads, idle_writes=idle_writes)
         self._writes = WriteBehind(
-            s, self._pipe, defer=write_backpressure == "defer",
-            max_write_inflight_bytes=max_write_inflight_bytes,
+            s, self._pipe,
             max_deferred_bytes=s.slab.nbytes // 4 if max_deferred_bytes is None else max_deferred_bytes)
         self._promoter = Promoter(s, self._pipe, self._writes)
         self._background = Background(s, self._pipe, self._promote_collecting, self.wait_promotions)
@@ -120,7 +130,7 @@ class Hierarchy:
     def lookup_many(
         self,
         keys: Sequence[bytes],
-        promoting: set[bytes] | None = None,
+        promoting: MutableMapping[bytes, str] | None = None,
         *,
         stream: bool = False,
         prefix: bool = False,
@@ -129,7 +139,8 @@ class Hierarchy:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
         A chunk found only in a lower tier starts its promotion now and answers PENDING.
-        ``promoting`` collects the keys whose answer is a promotion (for per-tier hit figures).
+        ``promoting`` collects the keys whose answer is a promotion, with the name of the tier
+        each comes from (for per-tier hit figures).
         ``stream``: a promotion in flight answers HIT instead; load such keys with
         :meth:`prepare_streamed_load`. ``prefix``: the keys are a prefix run (only those before
         the first MISS can be used), so no promotion starts past the first key that no tier
@@ -143,7 +154,7 @@ class Hierarchy:
         """Start promotions for chunks only in lower tiers (a lookup without bookkeeping)."""
         return self._lookup(keys, count_offers=False)
 
-    def _promote_collecting(self, keys: Sequence[bytes], started: set[bytes]) -> list[Presence]:
+    def _promote_collecting(self, keys: Sequence[bytes], started: dict[bytes, str]) -> list[Presence]:
         return self._lookup(keys, count_offers=False, promoting=started)
 
     def in_flight(self, keys: Sequence[bytes]) -> bool:
@@ -158,7 +169,7 @@ class Hierarchy:
         when none is. For an engine step that has nothing else to do."""
         s = self._s
         with s.landed:
-            return s.landed.wait_for(lambda: s.closed or s.promoting.isdisjoint(keys), timeout)
+            return s.landed.wait_for(lambda: s.closed or s.promoting.keys().isdisjoint(keys), timeout)
 
     def warm_start(self, max_chunks: int) -> None:
         """Promote, in the background, the ``max_chunks`` chunks of the first lower tier used
@@ -322,7 +333,7 @@ class Hierarchy:
         self,
         keys: Sequence[bytes],
         count_offers: bool,
-        promoting: set[bytes] | None = None,
+        promoting: MutableMapping[bytes, str] | None = None,
         stream: bool = False,
         prefix: bool = False,
         protect: set[bytes] | None = None,
@@ -343,7 +354,7 @@ class Hierarchy:
             if s.promoting and (promoting is not None or stream):
                 landing = [i for i, h in enumerate(host) if h == _NOT_READY and keys[i] in s.promoting]
                 if promoting is not None:
-                    promoting.update(keys[i] for i in landing)
+                    promoting.update((keys[i], s.promoting[keys[i]]) for i in landing)
                 if stream:
                     for i in landing:
                         states[i] = _HIT
@@ -390,7 +401,7 @@ class Hierarchy:
         return source
 
     def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
-                          streamed: int, promoting: set[bytes] | None, stream: bool,
+                          streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
                           protect: set[bytes] | None) -> None:
         s = self._s
         items = []
@@ -427,7 +438,7 @@ class Hierarchy:
                 states[i] = _HIT if stream else _PENDING
                 streamed += stream
                 if promoting is not None:
-                    promoting.add(key)
+                    promoting[key] = source[i].name
             self._promoter.launch(items)
             self._count(states, streamed)
 
@@ -451,3 +462,13 @@ class Hierarchy:
         if keys:
             self._writes.forget(link, keys)
             self._s.journal.add(link.name, True, keys)
+
+
+def _per_tier(name: str, value: Any, n: int) -> list[Any]:
+    """One value per lower tier: ``value`` repeated, or the sequence given (its length checked)."""
+    if isinstance(value, (int, str)):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{len(values)} values of {name} for {n} lower tiers")
+    return values

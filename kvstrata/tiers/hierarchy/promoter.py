@@ -36,7 +36,7 @@ class Promoter:
     def start(self, key: bytes, slot: int, link: TierLink) -> tuple[bytes, int, TierLink]:
         """Under the lock: ``key`` now has a host slot and is on its way from ``link``'s tier;
         returns the promotion to hand to :meth:`launch` (still under the lock)."""
-        self.s.promoting.add(key)
+        self.s.promoting[key] = link.name
         self.tickets[key] = self._next_ticket
         self._next_ticket += 1
         link.resident.add(key)
@@ -58,7 +58,7 @@ class Promoter:
         s = self.s
         writes = []
         with s.lock:
-            s.promoting.discard(key)
+            s.promoting.pop(key, None)
             ticket = self.tickets.pop(key)
             # The board is written before a failed slot can be handed out again (under the
             # lock), and after the slot's bytes (the read thread's writes) are visible everywhere.
@@ -88,6 +88,10 @@ class Promoter:
     def _read(self, key: bytes, slot: int, link: TierLink) -> bool:
         views = self.s.shard_views(slot, chunk_group(key))
         try:
+            get_many = getattr(link.tier, "get_many_into", None)
+            if get_many is not None:  # every shard in one round trip (a remote tier)
+                got = get_many([(ns + key, view) for ns, view in zip(self.s.namespaces, views, strict=True)])
+                return all(n == view.nbytes for n, view in zip(got, views, strict=True))
             for ns, view in zip(self.s.namespaces, views, strict=True):
                 if link.tier.get_into(ns + key, view) != view.nbytes:
                     return False

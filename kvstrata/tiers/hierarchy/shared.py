@@ -21,6 +21,7 @@ from kvstrata.tiers.lower import LowerTier
 from kvstrata.tiers.priority import lower_this_thread
 
 TIER_HOST = "host"
+DEFAULT_WRITE_INFLIGHT_BYTES = 128 << 20  # per lower tier, before its backpressure applies
 
 COUNTERS = (
     "lookups", "lookup_hits", "lookup_pending", "stores_prepared", "stores_completed",
@@ -44,6 +45,9 @@ class TierLink:
     tier: LowerTier
     position: int  # 0 = the first tier below the host tier
     admit_after: int  # offers (stores, host hits) before a chunk is written to this tier
+    # Backpressure: beyond max_inflight bytes of writes, defer (keep the slot) or drop.
+    defer: bool = True
+    max_inflight: int = DEFAULT_WRITE_INFLIGHT_BYTES
     resident: set[bytes] = field(default_factory=set)  # host chunks known to be in this tier
     queued: set[bytes] = field(default_factory=set)  # being written, or deferred
     # Queued chunks the tier reported removed meanwhile: a write that committed just before the
@@ -128,7 +132,7 @@ class Shared:
         self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.closed = False
         self.storing: set[bytes] = set()  # prepare_store'd, not completed
-        self.promoting: set[bytes] = set()  # lower tier -> host in flight
+        self.promoting: dict[bytes, str] = {}  # lower tier -> host in flight: key -> tier name
         self.bad: set[bytes] = set()  # chunks whose promotion failed (until stored again)
         self.journal = Journal(events)
         # Offers of each chunk (stores, host hits), for the tiers' admission thresholds.

@@ -2,9 +2,10 @@
 
 A chunk whose store to host completed (or that was promoted from a lower tier, for the tiers
 above the one it came from) and whose offers reach a tier's admission threshold is written to
-that tier, holding a reference on its host slot meanwhile. Per tier, at most
-``max_write_inflight_bytes`` are in flight; beyond that new writes are deferred (keeping their
-slot, up to ``max_deferred_bytes``) or dropped, and counted. Callers never wait on a tier.
+that tier, holding a reference on its host slot meanwhile. Per tier, at most its
+``max_inflight`` bytes are in flight; beyond that new writes are deferred (keeping their slot, up
+to ``max_deferred_bytes``) or dropped, as the tier's link says, and counted. Callers never wait
+on a tier.
 """
 
 from __future__ import annotations
@@ -27,14 +28,10 @@ class WriteBehind:
         shared: Shared,
         pipeline: Pipeline,
         *,
-        defer: bool,
-        max_write_inflight_bytes: int,
         max_deferred_bytes: int,
     ) -> None:
         self.s = shared
         self.pipe = pipeline
-        self.defer = defer
-        self.max_inflight = max_write_inflight_bytes
         self.max_deferred = max_deferred_bytes
 
     # ---- under the lock ------------------------------------------------------------------------
@@ -52,9 +49,9 @@ class WriteBehind:
         if self.s.closed or key in link.resident or key in link.queued:
             return None
         size = self.s.chunk_bytes(key)
-        if link.inflight_bytes == 0 or link.inflight_bytes + size <= self.max_inflight:
+        if link.inflight_bytes == 0 or link.inflight_bytes + size <= link.max_inflight:
             return self._claim(link, key, size)
-        if self.defer and link.deferred_bytes + size <= self.max_deferred:
+        if link.defer and link.deferred_bytes + size <= self.max_deferred:
             self.s.pool.acquire(key)  # the slot must survive until the write runs
             link.queued.add(key)
             link.deferred.append(key)
@@ -87,7 +84,7 @@ class WriteBehind:
         while link.deferred:
             key = link.deferred[0]
             size = self.s.chunk_bytes(key)
-            if not force and link.inflight_bytes and link.inflight_bytes + size > self.max_inflight:
+            if not force and link.inflight_bytes and link.inflight_bytes + size > link.max_inflight:
                 break
             link.deferred.popleft()
             link.deferred_bytes -= size

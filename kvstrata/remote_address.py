@@ -1,0 +1,99 @@
+"""Where the shared tier lives (``remote_url``), parsed into what redis-py needs. Pure Python,
+beside ``config``, which refuses a bad URL at start-up with it.
+
+Accepted forms (``valkey`` may replace ``redis`` in every scheme):
+
+* ``redis://[user:password@]host[:port][/db]`` — one server (TLS: ``rediss://``);
+* ``redis+cluster://[user:password@]h1:p1,h2:p2[,...]`` — a Redis/Valkey cluster, any of its
+  nodes as seeds (TLS: ``rediss+cluster://``; a cluster has only database 0).
+
+Nothing here connects: a bad URL is refused at start-up with a message naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+DEFAULT_PORT = 6379
+
+_SCHEMES = {
+    "redis": (False, False), "rediss": (True, False),
+    "valkey": (False, False), "valkeys": (True, False),
+    "redis+cluster": (False, True), "rediss+cluster": (True, True),
+    "valkey+cluster": (False, True), "valkeys+cluster": (True, True),
+}
+_HOST_RE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9_.-]+))(?::(?P<port>[0-9]{1,5}))?")
+
+
+class RemoteURLError(ValueError):
+    """``remote_url`` is not a Redis/Valkey URL kvstrata understands; the message says why."""
+
+
+@dataclass(frozen=True)
+class RemoteAddress:
+    """A parsed ``remote_url``."""
+
+    nodes: tuple[tuple[str, int], ...]  # one for a single server; the seeds of a cluster
+    cluster: bool = False
+    tls: bool = False
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    def redacted(self) -> str:
+        """The URL without its password, for logs and statistics."""
+        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+        auth = f"{self.username or ''}:***@" if self.password is not None else (
+            f"{self.username}@" if self.username else "")
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+        return f"{scheme}://{auth}{hosts}" + (f"/{self.db}" if self.db else "")
+
+
+def parse_remote_url(url: str) -> RemoteAddress:
+    """Parse ``url``; raises RemoteURLError naming the problem."""
+    if not isinstance(url, str) or not url.strip():
+        raise RemoteURLError(f"expected a redis://, rediss://, valkey:// or redis+cluster:// URL, got {url!r}")
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep or scheme.lower() not in _SCHEMES:
+        raise RemoteURLError(
+            f"unknown scheme in {url!r}: expected one of {sorted(_SCHEMES)} followed by '://'")
+    tls, cluster = _SCHEMES[scheme.lower()]
+    if "?" in rest or "#" in rest:
+        raise RemoteURLError(
+            f"{url!r}: query parameters and fragments are not supported; "
+            "use kvstrata's remote_* options for timeouts and pool sizes")
+    auth, at, hostpart = rest.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = auth.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+        if not colon:  # redis://secret@host is a password-only URL in redis-py's reading
+            username, password = None, unquote(user)
+    hostpart, slash, db_text = hostpart.partition("/")
+    db = 0
+    if slash and db_text:
+        if not db_text.isascii() or not db_text.isdigit() or int(db_text) > 65535:
+            raise RemoteURLError(f"{url!r}: the database must be a number, got {db_text!r}")
+        db = int(db_text)
+    if cluster and db:
+        raise RemoteURLError(f"{url!r}: a cluster has only database 0")
+    if not hostpart:
+        raise RemoteURLError(f"{url!r}: no host")
+    nodes = []
+    for item in hostpart.split(","):
+        m = _HOST_RE.fullmatch(item)
+        if m is None:
+            raise RemoteURLError(f"{url!r}: {item!r} is not host[:port]")
+        port = int(m.group("port")) if m.group("port") else DEFAULT_PORT
+        if not 0 < port < 65536:
+            raise RemoteURLError(f"{url!r}: port {port} out of range")
+        nodes.append((m.group("v6") or m.group("name"), port))
+    if len(nodes) > 1 and not cluster:
+        raise RemoteURLError(
+            f"{url!r}: several hosts need a cluster URL ({scheme}+cluster://...); "
+            "a single server takes one host")
+    return RemoteAddress(tuple(nodes), cluster=cluster, tls=tls, db=db, username=username,
+                         password=password)

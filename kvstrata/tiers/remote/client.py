@@ -1,0 +1,114 @@
+"""The redis-py asyncio client kvstrata's shared tier talks through, and the batched commands it
+sends. Every command batch is one pipelined round trip (per node of a cluster); nothing here
+retries: the serving path answers a miss instead (see ``breaker``).
+
+The client lives on the event loop that runs it (``RemoteLoop``): redis-py's asyncio connections
+belong to one loop, and the tier's callers are threads (the hierarchy's read and write pools,
+the scheduler's lookups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from kvstrata.remote_address import RemoteAddress
+
+T = TypeVar("T")
+
+
+def make_client(address: RemoteAddress, *, connect_timeout_s: float, timeout_s: float,
+                max_connections: int) -> Redis | RedisCluster:
+    """A client for ``address`` (call on the loop that will use it). Nothing connects yet."""
+    common: dict[str, Any] = dict(
+        socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
+        retry=Retry(NoBackoff(), 0), username=address.username, password=address.password,
+        client_name="kvstrata",
+    )
+    if address.cluster:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in address.nodes], ssl=address.tls,
+            max_connections=max_connections, require_full_coverage=False, **common)
+    host, port = address.nodes[0]
+    # Blocking: a burst of callers waits (bounded by timeout_s) for a free connection instead
+    # of opening connections without limit.
+    pool = BlockingConnectionPool(
+        max_connections=max_connections, timeout=timeout_s,
+        connection_class=SSLConnection if address.tls else Connection,
+        host=host, port=port, db=address.db, **common)
+    return Redis(connection_pool=pool)
+
+
+async def exists_many(client: Any, keys: Sequence[bytes]) -> list[bool]:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.exists(key)
+    return [bool(n) for n in await pipe.execute()]
+
+
+async def get_many(client: Any, keys: Sequence[bytes]) -> list[bytes | None]:
+    if len(keys) == 1:
+        return [await client.get(keys[0])]
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+    return list(await pipe.execute())
+
+
+async def set_many(client: Any, items: Sequence[tuple[bytes, bytes]], ttl_ms: int | None) -> list[bool]:
+    pipe = client.pipeline(transaction=False)
+    for key, value in items:
+        pipe.set(key, value, px=ttl_ms)
+    return [bool(ok) for ok in await pipe.execute()]
+
+
+async def delete_many(client: Any, keys: Sequence[bytes]) -> int:
+    # One DEL per key: a cluster refuses a multi-key DEL across slots.
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.delete(key)
+    return sum(await pipe.execute())
+
+
+async def touch_many(client: Any, keys: Sequence[bytes]) -> int:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.touch(key)
+    return sum(await pipe.execute())
+
+
+class RemoteLoop:
+    """An asyncio loop on a daemon thread of its own, for the client and the breaker's probe."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Awaitable[T]) -> asyncio.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type,return-value]
+
+    def call(self, coro: Awaitable[T], timeout: float) -> T:
+        """Run ``coro`` on the loop and wait at most ``timeout`` seconds for it (the coroutine
+        is cancelled then, and TimeoutError raised)."""
+        return self.submit(asyncio.wait_for(coro, timeout)).result(timeout + 1.0)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.loop.close()

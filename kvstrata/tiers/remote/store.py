@@ -1,0 +1,297 @@
+"""``RemoteStore``: the shared tier on a Redis or Valkey server (or cluster) every engine of a
+deployment talks to (docs/STORAGE.md, "The shared tier").
+
+One value per chunk and shard, under ``kvstrata:<namespace hex>:<chunk key hex>``: the same
+self-describing frame the disk tier stores (``codec``), checksummed and bound to its store key,
+so a value is served only under the key it was written for and never as metadata and data that
+an eviction could separate. The server owns eviction (``maxmemory`` + ``allkeys-lru``): a value
+gone by the time it is read is a miss, and a value that fails its check is a miss and is deleted.
+
+Every method is called from a thread and answers within about ``connect_timeout_s +
+timeout_s``; a failure (server down, hung, restarted) opens the breaker (``breaker``), after
+which calls answer "miss / not stored" at once until a background probe finds the server again.
+Nothing here raises into the hierarchy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis.exceptions as rex
+
+from kvstrata.remote_address import RemoteAddress, parse_remote_url
+from kvstrata.tiers import codec
+from kvstrata.tiers.remote import client as rc
+from kvstrata.tiers.remote.breaker import Breaker
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"kvstrata:"
+NAMESPACE_BYTES = 16  # connector.keys: every store key starts with its shard's namespace
+
+# Failures that say the server cannot be reached now: the breaker opens on them. Any other
+# error (a server refusing one command) is counted and logged once per kind.
+_UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.BusyLoadingError, rex.ClusterDownError,
+                rex.MasterDownError, rex.TryAgainError, OSError, TimeoutError, asyncio.TimeoutError)
+
+COUNTERS = (
+    "lookups", "lookup_keys", "lookup_found", "gets", "get_hits", "get_gone", "get_bytes",
+    "get_raw_bytes", "puts", "put_bytes", "put_raw_bytes", "put_failed", "corrupt", "deleted",
+    "touches", "errors", "unavailable", "skipped_unavailable",
+)
+
+
+def remote_key(store_key: bytes, prefix: bytes = KEY_PREFIX) -> bytes:
+    """The server key of a store key: ``kvstrata:<namespace hex>:<chunk key hex>``."""
+    ns, chunk = store_key[:NAMESPACE_BYTES], store_key[NAMESPACE_BYTES:]
+    return b"%s%s:%s" % (prefix, ns.hex().encode(), chunk.hex().encode())
+
+
+class RemoteStore:
+    """The shared tier (implements ``kvstrata.tiers.lower.LowerTier``).
+
+    Args:
+        url: ``remote_url`` (see ``address``), or an already parsed address.
+        connect_timeout_s, timeout_s: TCP connect and per-reply socket timeouts; a call takes
+            at most about their sum.
+        max_connections: connection pool size (per node of a cluster).
+        probe_interval_s: how often a server found unavailable is asked again.
+        ttl_s: expire values after this long (None: only the server's eviction removes them).
+        codec: "auto" (byte planes + zstd, as on disk) or "raw".
+        level: zstd level.
+    """
+
+    tier_name = "remote"
+
+    def __init__(
+        self,
+        url: str | RemoteAddress,
+        *,
+        connect_timeout_s: float = 0.2,
+        timeout_s: float = 0.25,
+        max_connections: int = 16,
+        probe_interval_s: float = 1.0,
+        ttl_s: float | None = None,
+        codec: str = "auto",
+        level: int = 1,
+        key_prefix: bytes = KEY_PREFIX,
+    ) -> None:
+        self.address = parse_remote_url(url) if isinstance(url, str) else url
+        self.url = self.address.redacted()
+        self._mode = codec
+        self._level = level
+        self._prefix = key_prefix
+        self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._deadline = connect_timeout_s + timeout_s
+        self.on_removed: Callable[[list[bytes]], None] | None = None
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts_lock = threading.Lock()
+        self._error_kinds: set[str] = set()
+        self._breaker = Breaker(f"remote tier {self.url}", probe_interval_s)
+        self._probing = False
+        self._closed = False
+        self._loop = rc.RemoteLoop("kvstrata-remote")
+
+        async def create() -> Any:
+            return rc.make_client(self.address, connect_timeout_s=connect_timeout_s,
+                                  timeout_s=timeout_s, max_connections=max_connections)
+
+        self._client = self._loop.submit(create()).result(10)
+
+    # ---- LowerTier ----------------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        found = self._call(rc.exists_many(self._client, [self._rkey(k) for k in keys]), None)
+        self._bump(lookups=1, lookup_keys=len(keys), lookup_found=sum(found) if found else 0)
+        return found if found is not None else [False] * len(keys)
+
+    def get_into(self, key: bytes, out: Buffer) -> int | None:
+        return self.get_many_into([(key, out)])[0]
+
+    def get_many_into(self, items: Sequence[tuple[bytes, Buffer]]) -> list[int | None]:
+        """Fetch several records in one round trip and decode each into its buffer: bytes
+        written per item, or None (miss, gone, damaged: a damaged value is deleted)."""
+        if not items:
+            return []
+        values = self._call(rc.get_many(self._client, [self._rkey(k) for k, _ in items]), None)
+        if values is None:
+            return [None] * len(items)
+        out: list[int | None] = []
+        bad: list[bytes] = []
+        got = gone = got_bytes = raw = 0
+        for (key, buf), value in zip(items, values, strict=True):
+            if value is None:
+                gone += 1
+                out.append(None)
+                continue
+            try:
+                n = codec.decode_into(value, buf, key=key)
+            except (codec.CorruptRecord, ValueError) as exc:
+                logger.warning("kvstrata: %s: value of %s is damaged (%s); deleted",
+                               self.url, self._rkey(key).decode(), exc)
+                bad.append(key)
+                out.append(None)
+                continue
+            got += 1
+            got_bytes += len(value)
+            raw += n
+            out.append(n)
+        self._bump(gets=len(items), get_hits=got, get_gone=gone, get_bytes=got_bytes,
+                   get_raw_bytes=raw, corrupt=len(bad))
+        if bad:
+            self._delete(bad, wait=False)
+        return out
+
+    def put_many(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> int:
+        if not entries:
+            return 0
+        if not self._breaker.up:  # before the encoding: nothing will be sent
+            self._bump(skipped_unavailable=1, put_failed=len(entries))
+            return 0
+        frames = [(self._rkey(key), codec.encode(data, dtype, key=key, level=self._level, mode=self._mode))
+                  for key, data, dtype in entries]
+        done = self._call(rc.set_many(self._client, frames, self._ttl_ms), None)
+        stored = sum(done) if done else 0
+        if stored == len(entries):
+            raw = sum(memoryview(d).nbytes for _, d, _ in entries)
+            self._bump(puts=stored, put_bytes=sum(len(f) for _, f in frames), put_raw_bytes=raw)
+        else:
+            self._bump(puts=stored, put_failed=len(entries) - stored)
+        return stored
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        return self._delete(list(keys), wait=True)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        # Keeps the server's LRU in step with host hits; the caller (a lookup) never waits.
+        if keys and self._breaker.up and not self._closed:
+            self._bump(touches=len(keys))
+            self._loop.submit(self._quiet(rc.touch_many(self._client, [self._rkey(k) for k in keys])))
+
+    def stats(self) -> dict[str, Any]:
+        with self._counts_lock:
+            out: dict[str, Any] = dict(self._counts)
+        out.update(url=self.url, available=int(self._breaker.up),
+                   state_changes=self._breaker.state_changes, last_error=self._breaker.last_error)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.call(self._client.aclose(), self._deadline)
+        except Exception:  # closing a dead server's connections: nothing to do about it
+            pass
+        self._loop.stop()
+
+    # ---- server information (tools, tests, benchmarks) -------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self._breaker.up
+
+    def server_info(self) -> dict[str, Any] | None:
+        """The server's INFO (memory, stats, keyspace), or None when it cannot be asked."""
+        return self._call(self._client.info(), None)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _rkey(self, key: bytes) -> bytes:
+        return remote_key(key, self._prefix)
+
+    def _bump(self, **counts: int) -> None:
+        with self._counts_lock:
+            for name, n in counts.items():
+                self._counts[name] += n
+
+    def _call(self, coro: Any, default: Any) -> Any:
+        """Run a command batch on the loop with the tier's deadline; ``default`` when the
+        breaker is open or the call fails (counted, and the breaker opened if the server is
+        unavailable)."""
+        if not self._breaker.up or self._closed:
+            coro.close()
+            self._bump(skipped_unavailable=1)
+            return default
+        try:
+            return self._loop.call(coro, self._deadline)
+        except _UNAVAILABLE as exc:
+            self._unavailable(exc)
+        except Exception as exc:
+            self._error(exc)
+        return default
+
+    async def _quiet(self, coro: Any) -> None:
+        try:
+            await asyncio.wait_for(coro, self._deadline)
+        except _UNAVAILABLE as exc:
+            self._unavailable(exc)
+        except Exception as exc:
+            self._error(exc)
+
+    def _delete(self, keys: list[bytes], wait: bool) -> int:
+        if not keys:
+            return 0
+        if wait:
+            n = self._call(rc.delete_many(self._client, [self._rkey(k) for k in keys]), 0)
+        else:
+            n = 0
+            self._loop.submit(self._quiet(rc.delete_many(self._client, [self._rkey(k) for k in keys])))
+        self._bump(deleted=len(keys))
+        if self.on_removed is not None:
+            try:
+                self.on_removed(keys)
+            except Exception:
+                logger.exception("kvstrata: %s: on_removed callback failed", self.url)
+        return n
+
+    def _unavailable(self, exc: BaseException) -> None:
+        self._bump(unavailable=1)
+        if self._breaker.failed(exc) and not self._closed:
+            self._loop.submit(self._probe())
+
+    def _error(self, exc: BaseException) -> None:
+        self._bump(errors=1)
+        kind = type(exc).__name__
+        if kind not in self._error_kinds:  # once per kind: a refusing server must not flood logs
+            self._error_kinds.add(kind)
+            logger.warning("kvstrata: %s refused a command (%s: %s); counted as misses",
+                           self.url, kind, exc)
+
+    async def _probe(self) -> None:
+        """Until the server answers again (on the loop): drop the pool's connections (a
+        restarted server closed them all), wait, PING."""
+        if self._probing:
+            return
+        self._probing = True
+        try:
+            while not self._closed and not self._breaker.up:
+                await self._reset_connections()
+                await asyncio.sleep(self._breaker.probe_interval_s)
+                try:
+                    await asyncio.wait_for(self._client.ping(), self._deadline)
+                except Exception as exc:
+                    self._breaker.last_error = f"{type(exc).__name__}: {exc}"
+                    continue
+                self._breaker.recovered()
+        finally:
+            self._probing = False
+
+    async def _reset_connections(self) -> None:
+        try:
+            pool = getattr(self._client, "connection_pool", None)
+            if pool is not None:
+                await pool.disconnect()
+            else:  # a cluster client: rediscover the nodes on its next command
+                await self._client.aclose()
+        except Exception:
+            pass
