@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
 from kvstrata.tiers import codec  # noqa: E402
-from kvstrata.tools.bench_disk import bf16_bits, synthetic_kv  # noqa: E402
+from kvstrata.tools.bench_disk import bf16_bits, kv_channel_stats, synthetic_kv  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -58,19 +58,6 @@ MiB = 1 << 20
 
 # ---------------------------------------------------------------------------------------------
 # Data
-
-
-def _kv_stats(rng: np.random.Generator, layers: int, channels: int) -> list:
-    # same channel statistics, drawn in the same order, as bench_disk.synthetic_kv
-    stats = []
-    for _ in range(layers):
-        k_scale = rng.lognormal(0.0, 0.6, channels).astype(np.float32)
-        k_scale[rng.choice(channels, max(1, channels // 50), replace=False)] *= 10
-        k_mean = rng.normal(0.0, 1.0, channels).astype(np.float32)
-        v_scale = rng.lognormal(-0.7, 0.4, channels).astype(np.float32)
-        v_mean = rng.normal(0.0, 0.1, channels).astype(np.float32)
-        stats.append(((k_scale, k_mean), (v_scale, v_mean)))
-    return stats
 
 
 def _synthetic(nbytes: int, chunk_bytes: int, seed: int, fp32: bool,
@@ -82,7 +69,7 @@ def _synthetic(nbytes: int, chunk_bytes: int, seed: int, fp32: bool,
     rng = np.random.default_rng(seed)
     rows = max(1, chunk_bytes // (item * channels))
     n_chunks = max(1, nbytes // (rows * channels * item))
-    stats = _kv_stats(rng, layers, channels)
+    stats = kv_channel_stats(rng, layers, channels)
     out = np.empty((n_chunks, rows, channels), dtype=np.float32 if fp32 else np.uint16)
     for i in range(n_chunks):
         scale, mean = stats[(i // 2) % layers][i % 2]

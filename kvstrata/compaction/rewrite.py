@@ -179,16 +179,22 @@ def rewrite_locked(path: Path) -> RewriteResult:
                 f"compacted copy of {path} does not match the original ({got} != "
                 f"{census.entries}); the store file was not rewritten"
             )
-        os.chmod(copy, stat.S_IMODE(data.stat().st_mode))
-        _fsync_path(copy)
-        # Old reader table first, then the file: no opener can pair the new file with it.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path / rec.LMDB_LOCK_FILE)
-        os.replace(copy, data)
-        _fsync_path(path, directory=True)
+        _swap_in(copy, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return RewriteResult(before, data.stat().st_size)
+
+
+def _swap_in(copy: Path, path: Path) -> None:
+    """Replace ``path``'s data file with ``copy`` (same mode), durably."""
+    data = path / rec.DATA_FILE
+    os.chmod(copy, stat.S_IMODE(data.stat().st_mode))
+    _fsync_path(copy)
+    # Old reader table first, then the file: no opener can pair the new file with it.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path / rec.LMDB_LOCK_FILE)
+    os.replace(copy, data)
+    _fsync_path(path, directory=True)
 
 
 @dataclass(frozen=True)
@@ -216,13 +222,7 @@ def rebuild_locked(path: Path) -> RebuildResult:
             kept, left_out = _copy_sound_records(path, tmp)
         except lmdb.Error as exc:
             raise RewriteError(f"rebuilding {path} failed: {exc}; the store file was not rewritten") from exc
-        copy = tmp / rec.DATA_FILE
-        os.chmod(copy, stat.S_IMODE(data.stat().st_mode))
-        _fsync_path(copy)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path / rec.LMDB_LOCK_FILE)
-        os.replace(copy, data)
-        _fsync_path(path, directory=True)
+        _swap_in(tmp / rec.DATA_FILE, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return RebuildResult(kept, left_out)

@@ -72,17 +72,10 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
-def synthetic_kv(
-    nbytes: int, chunk_bytes: int, seed: int = 0, *, layers: int = 8, channels: int = 1024
-) -> np.ndarray:
-    """bf16 KV with per-channel structure, as docs/STORAGE.md §3.1 describes.
-
-    Chunks alternate K and V of successive layers. Keys: lognormal channel scales, non-zero
-    channel means and 2% outlier channels x10; values: smaller scales, means near zero.
-    """
-    rng = np.random.default_rng(seed)
-    rows = max(1, chunk_bytes // (2 * channels))
-    n_chunks = max(1, nbytes // (rows * channels * 2))
+def kv_channel_stats(rng: np.random.Generator, layers: int, channels: int) -> list[Any]:
+    """Per layer ``((k_scale, k_mean), (v_scale, v_mean))`` (docs/STORAGE.md §3.1). Keys:
+    lognormal channel scales, non-zero channel means and 2% outlier channels x10; values:
+    smaller scales, means near zero."""
     stats = []
     for _ in range(layers):
         k_scale = rng.lognormal(0.0, 0.6, channels).astype(np.float32)
@@ -91,6 +84,18 @@ def synthetic_kv(
         v_scale = rng.lognormal(-0.7, 0.4, channels).astype(np.float32)
         v_mean = rng.normal(0.0, 0.1, channels).astype(np.float32)
         stats.append(((k_scale, k_mean), (v_scale, v_mean)))
+    return stats
+
+
+def synthetic_kv(
+    nbytes: int, chunk_bytes: int, seed: int = 0, *, layers: int = 8, channels: int = 1024
+) -> np.ndarray:
+    """bf16 KV with per-channel structure (``kv_channel_stats``); chunks alternate K and V of
+    successive layers."""
+    rng = np.random.default_rng(seed)
+    rows = max(1, chunk_bytes // (2 * channels))
+    n_chunks = max(1, nbytes // (rows * channels * 2))
+    stats = kv_channel_stats(rng, layers, channels)
     out = np.empty((n_chunks, rows, channels), dtype=np.uint16)
     for i in range(n_chunks):
         scale, mean = stats[(i // 2) % layers][i % 2]

@@ -40,6 +40,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "disk_off": {"disk": False},
     "raw": {"codec": "raw"},
     "normal_priority": {"background_priority": "normal"},
+    # Write a chunk to disk only once it was offered twice (Dynamo KVBM's default).
+    "admission2": {"admission": 2},
 }
 VOCAB_LOW, VOCAB_HIGH = 100, 49000  # inside SmolLM2's vocabulary, clear of special tokens
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # SmolLM2-135M: layers x KV heads x head dim x K,V x bf16

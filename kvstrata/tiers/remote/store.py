@@ -1,5 +1,5 @@
 """``RemoteStore``: the shared tier on a Redis or Valkey server (or cluster) every engine of a
-deployment talks to (docs/STORAGE.md, "The shared tier").
+deployment talks to (docs/DESIGN.md, "tiers/remote/").
 
 One value per chunk and shard, under ``kvstrata:<namespace hex>:<chunk key hex>``: the same
 self-describing frame the disk tier stores (``codec``), checksummed and bound to its store key,
