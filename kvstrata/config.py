@@ -141,8 +141,10 @@ class StrataConfig:
     # Offers (stores, host hits) before a chunk is written to the shared tier ("all" = 1).
     remote_admission: int = 1
     # Bytes of writes to the shared tier in flight; writes beyond are dropped and counted
-    # (a slow server never holds host slots or delays serving).
-    remote_write_backlog_bytes: int = 64 << 20
+    # (a slow server never holds more host slots than this, nor delays serving). Room for a
+    # few long prompts at once: a 4096-token SmolLM2 prompt is 94 MB of KV, and a chunk dropped
+    # ends what other engines can use of its prompt.
+    remote_write_backlog_bytes: int = 256 << 20
     # Expire shared values after this long; null leaves eviction to the server's maxmemory policy.
     remote_ttl_s: float | None = None
 

@@ -13,7 +13,7 @@ Nothing here connects: a bad URL is refused at start-up with a message naming wh
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote
 
 DEFAULT_PORT = 6379
@@ -40,7 +40,7 @@ class RemoteAddress:
     tls: bool = False
     db: int = 0
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a repr or a log
 
     def redacted(self) -> str:
         """The URL without its password, for logs and statistics."""
@@ -54,15 +54,17 @@ class RemoteAddress:
 def parse_remote_url(url: str) -> RemoteAddress:
     """Parse ``url``; raises RemoteURLError naming the problem."""
     if not isinstance(url, str) or not url.strip():
-        raise RemoteURLError(f"expected a redis://, rediss://, valkey:// or redis+cluster:// URL, got {url!r}")
+        shown = _shown(url) if isinstance(url, str) else repr(url)
+        raise RemoteURLError(f"expected a redis://, rediss://, valkey:// or redis+cluster:// URL, got {shown}")
+    shown = _shown(url)  # in messages: never the password (they end up in logs)
     scheme, sep, rest = url.strip().partition("://")
     if not sep or scheme.lower() not in _SCHEMES:
         raise RemoteURLError(
-            f"unknown scheme in {url!r}: expected one of {sorted(_SCHEMES)} followed by '://'")
+            f"unknown scheme in {shown}: expected one of {sorted(_SCHEMES)} followed by '://'")
     tls, cluster = _SCHEMES[scheme.lower()]
     if "?" in rest or "#" in rest:
         raise RemoteURLError(
-            f"{url!r}: query parameters and fragments are not supported; "
+            f"{shown}: query parameters and fragments are not supported; "
             "use kvstrata's remote_* options for timeouts and pool sizes")
     auth, at, hostpart = rest.rpartition("@")
     username = password = None
@@ -76,24 +78,38 @@ def parse_remote_url(url: str) -> RemoteAddress:
     db = 0
     if slash and db_text:
         if not db_text.isascii() or not db_text.isdigit() or int(db_text) > 65535:
-            raise RemoteURLError(f"{url!r}: the database must be a number, got {db_text!r}")
+            raise RemoteURLError(f"{shown}: the database must be a number, got {db_text!r}")
         db = int(db_text)
     if cluster and db:
-        raise RemoteURLError(f"{url!r}: a cluster has only database 0")
+        raise RemoteURLError(f"{shown}: a cluster has only database 0")
     if not hostpart:
-        raise RemoteURLError(f"{url!r}: no host")
+        raise RemoteURLError(f"{shown}: no host")
     nodes = []
     for item in hostpart.split(","):
         m = _HOST_RE.fullmatch(item)
         if m is None:
-            raise RemoteURLError(f"{url!r}: {item!r} is not host[:port]")
+            raise RemoteURLError(f"{shown}: {item!r} is not host[:port]")
         port = int(m.group("port")) if m.group("port") else DEFAULT_PORT
         if not 0 < port < 65536:
-            raise RemoteURLError(f"{url!r}: port {port} out of range")
+            raise RemoteURLError(f"{shown}: port {port} out of range")
         nodes.append((m.group("v6") or m.group("name"), port))
     if len(nodes) > 1 and not cluster:
         raise RemoteURLError(
-            f"{url!r}: several hosts need a cluster URL ({scheme}+cluster://...); "
+            f"{shown}: several hosts need a cluster URL ({scheme}+cluster://...); "
             "a single server takes one host")
     return RemoteAddress(tuple(nodes), cluster=cluster, tls=tls, db=db, username=username,
                          password=password)
+
+
+def _shown(url: str) -> str:
+    """``repr(url)`` with its password (and any query, which may carry one) masked, for
+    messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    auth, at, hostpart = rest.rpartition("@")  # as parse_remote_url splits it
+    hostpart, q, _ = hostpart.partition("?")
+    if at:
+        user, colon, _ = auth.partition(":")
+        hostpart = f"{user}:***@{hostpart}" if colon else f"***@{hostpart}"
+    return repr(f"{scheme}{sep}{hostpart}" + ("?..." if q else ""))

@@ -31,6 +31,7 @@ from kvstrata.connector.keys import namespace_info
 from kvstrata.connector.metadata import StrataMetadata
 from kvstrata.connector.plan import KVPlan, build_plan
 from kvstrata.connector.stats import StrataPromMetrics, StrataStats
+from kvstrata.remote_address import parse_remote_url
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +99,7 @@ def build_hierarchy(
             # Block hashes of this process are its own: another engine could never find them.
             logger.warning("kvstrata: the shared tier (%s) is off: prefix_caching_hash_algo=%r "
                            "without PYTHONHASHSEED gives block hashes no other engine shares",
-                           cfg.remote_url, plan.identity.hash_algo)
+                           parse_remote_url(cfg.remote_url).redacted(), plan.identity.hash_algo)
         else:
             remote = RemoteStore(
                 cfg.remote_url, connect_timeout_s=cfg.remote_connect_timeout_s,

@@ -839,7 +839,9 @@ class StrataScheduler:
                 remote_written_bytes=int(r["put_bytes"]), remote_hits=int(r["get_hits"]),
                 remote_errors=int(r["errors"]) + int(r["unavailable"]),
                 remote_unavailable_skips=int(r["skipped_unavailable"]),
-                remote_corrupt=int(r["corrupt"]), remote_writes_dropped=int(r.get("writes_dropped", 0)),
+                remote_corrupt=int(r["corrupt"]),
+                # Not written: the backlog was full, or the server did not take them.
+                remote_writes_dropped=int(r.get("writes_dropped", 0)) + int(r.get("writes_failed", 0)),
             )
         d = h.get("tiers", {}).get(TIER_DISK)
         if d is not None and "error" not in d:

@@ -39,7 +39,8 @@ GAUGES = (
     "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt",
     "promotions", "warm_promotions", "writes_behind",
     # The shared tier: whether it answers now, bytes moved, values served, and what went wrong
-    # (errors: failed or refused calls; unavailable_skips: calls not made while it was down).
+    # (errors: failed or refused calls; unavailable_skips: calls not made while it was down;
+    # writes_dropped: chunks that did not reach it, its backlog full or the server away).
     "remote_available", "remote_read_bytes", "remote_written_bytes", "remote_hits",
     "remote_errors", "remote_unavailable_skips", "remote_corrupt", "remote_writes_dropped",
 )
@@ -100,7 +101,10 @@ class StrataStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS) and not self.data.get(_OBS)
+        # A tier snapshot is news even on a step where no counter moved (a decode-only step):
+        # dropped, the gauges would show an old state (a server gone) until traffic came back.
+        return (not any(self.data.get(k) for k in COUNTERS) and not self.data.get(_OBS)
+                and not any(k in self.data for k in GAUGES))
 
 
 class StrataPromMetrics(KVConnectorPromMetrics):

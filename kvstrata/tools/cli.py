@@ -31,6 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tiers": ("kvstrata.tools.bench_tiers", "host tier vs memcpy, batched lookup cost, prefetch overlap"),
     "e2e": ("kvstrata.tools.bench_e2e", "time to first token on a real vLLM engine: cold, host, disk"),
     "overhead": ("kvstrata.tools.bench_overhead", "what kvstrata costs a workload without reuse, and a mixed one"),
+    "remote": ("kvstrata.tools.bench_remote", "shared tier (Redis): load rate vs plain GET, bytes, TTFT vs disk"),
 }
 
 

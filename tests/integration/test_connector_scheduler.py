@@ -391,6 +391,16 @@ def test_random_hash_seed_keeps_a_session_only_store(model_dir: Path, tmp_path: 
         r.close()
 
 
+def test_a_tier_snapshot_alone_is_reported() -> None:
+    # A refresh landing on a step where no counter moved must still reach /metrics.
+    from kvstrata.connector.stats import StrataStats
+
+    stats = StrataStats()
+    assert stats.is_empty()
+    stats.tiers = {"remote_available": 0, "host_chunks": 0}
+    assert not stats.is_empty() and stats.data["remote_available"] == 0
+
+
 def test_connector_stats_report_tiers_and_hits(runners) -> None:
     from kvstrata.connector.connector import StrataConnector
 

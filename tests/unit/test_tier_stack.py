@@ -147,6 +147,32 @@ def test_a_tier_that_fails_is_a_miss_and_the_next_tier_is_asked(make) -> None:
     eventually(lambda: h.lookup_many([key(7)]) == [HIT], "promotion from the far tier")
 
 
+class FlakyTier(FarTier):
+    """A far tier whose reads fail while ``down`` is set (a shared server that timed out)."""
+
+    down = False
+
+    def get_into(self, key, out):  # type: ignore[override]
+        return None if self.down else super().get_into(key, out)
+
+
+def test_a_chunk_whose_promotion_failed_is_asked_for_again_later(make) -> None:
+    far = make.store("far", FlakyTier)
+    writer = make(lower=[far])
+    put(writer, [key(5)])
+    eventually(lambda: holds(far, key(5)), "write-behind")
+    writer.close()
+    far.down = True
+    h = make(lower=[far], retry_failed_after_s=0.3)
+    assert h.lookup_many([key(5)]) == [PENDING]
+    eventually(lambda: h.stats()["promotions_failed"] == 1, "the failed promotion")
+    assert h.lookup_many([key(5)]) == [MISS]  # not asked again at once
+    far.down = False
+    time.sleep(0.3)
+    assert h.lookup_many([key(5)]) == [PENDING]  # asked again: the tier answers now
+    eventually(lambda: h.lookup_many([key(5)]) == [HIT], "the second promotion")
+
+
 def test_admission_thresholds_must_match_the_tiers(make) -> None:
     with pytest.raises(ValueError, match="1 values of admit_after for 2 lower tiers"):
         make(lower=[make.store("a"), make.store("b", FarTier)], admit_after=[1])

@@ -69,6 +69,8 @@ class Hierarchy:
         max_write_inflight_bytes: bytes of writes in flight per tier before backpressure (one
             value, or one per tier).
         idle_writes: write-behind threads run at idle CPU priority (``tiers.priority``).
+        retry_failed_after_s: a chunk whose promotion failed is a miss for this long (unless
+            stored again), then its tiers are asked again (``shared.FailedPromotions``).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Hierarchy:
         offer_tracker_size: int = 1 << 17,
         events: bool = False,
         idle_writes: bool = True,
+        retry_failed_after_s: float = 10.0,
     ) -> None:
         tiers = [] if lower is None else list(lower) if isinstance(lower, (list, tuple)) else [lower]
         admits = _per_tier("admit_after", admit_after, len(tiers))
@@ -103,7 +106,7 @@ class Hierarchy:
         s = self._s = Shared(
             host_pool, links, namespaces=namespaces, group_shard_bytes=group_shard_bytes,
             group_dtypes=group_dtypes, shard_bytes=shard_bytes, events=events,
-            offer_tracker_size=offer_tracker_size)
+            offer_tracker_size=offer_tracker_size, retry_failed_after_s=retry_failed_after_s)
         self.pool = host_pool
         self.slab = s.slab
         self.namespaces = s.namespaces

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,46 @@ class TierLink:
         return self.tier.tier_name
 
 
+class FailedPromotions:
+    """Chunks whose promotion failed: a miss from every tier until stored again, or until
+    ``retry_after_s`` passed. A chunk that failed for a passing reason (a shared server that
+    timed out) is then served again; one that was damaged is gone from its tier by then (a tier
+    drops what fails its check), so a retry finds nothing to promote. Called under the lock."""
+
+    PRUNE_AT = 4096  # entries before the expired ones are swept
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self._at: dict[bytes, float] = {}
+
+    def add(self, key: bytes) -> None:
+        now = time.monotonic()
+        if len(self._at) >= self.PRUNE_AT:
+            self._at = {k: t for k, t in self._at.items() if now - t < self.retry_after_s}
+        self._at[key] = now
+
+    def discard(self, key: bytes) -> None:
+        self._at.pop(key, None)
+
+    def clear(self) -> None:
+        self._at.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._at)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __contains__(self, key: object) -> bool:
+        at = self._at.get(key)  # type: ignore[call-overload]
+        if at is None:
+            return False
+        if time.monotonic() - at >= self.retry_after_s:
+            self._at.pop(key, None)  # type: ignore[call-overload]
+            return False
+        return True
+
+
 class Journal:
     """Tier changes for KV cache events: ``(tier, removed, keys)`` batches in the order they
     happened, or nothing at all when nobody listens."""
@@ -106,6 +147,7 @@ class Shared:
         shard_bytes: int | None,
         events: bool,
         offer_tracker_size: int,
+        retry_failed_after_s: float = 10.0,
     ) -> None:
         slab = pool.slab
         if slab is None:
@@ -133,7 +175,7 @@ class Shared:
         self.closed = False
         self.storing: set[bytes] = set()  # prepare_store'd, not completed
         self.promoting: dict[bytes, str] = {}  # lower tier -> host in flight: key -> tier name
-        self.bad: set[bytes] = set()  # chunks whose promotion failed (until stored again)
+        self.bad = FailedPromotions(retry_failed_after_s)
         self.journal = Journal(events)
         # Offers of each chunk (stores, host hits), for the tiers' admission thresholds.
         self.offers: OrderedDict[bytes, int] = OrderedDict()

@@ -31,15 +31,23 @@ class Breaker:
         """A call failed with ``exc``: open the breaker. True when this call opened it (the
         caller then starts the probe)."""
         with self._lock:
-            self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if not self._up:
+                # Already open: the error that opened it says why. Calls caught in flight fail
+                # after it with errors of their own making (the probe drops the pool's
+                # connections under them: "Connection closed by server" from a hung server);
+                # the probe records what the server answers since (``note``).
                 return False
+            self.last_error = describe(exc)
             self._up = False
             self._down_since = time.monotonic()
             self.state_changes += 1
         logger.warning("kvstrata: %s unavailable (%s); serving from the local tiers, probing every %.1fs",
                        self.name, self.last_error, self.probe_interval_s)
         return True
+
+    def note(self, exc: BaseException) -> None:
+        """A probe failed with ``exc``: the latest reason the server is unavailable."""
+        self.last_error = describe(exc)
 
     def recovered(self) -> None:
         """A probe succeeded: close the breaker."""
@@ -51,3 +59,8 @@ class Breaker:
             self._down_since = None
             self.state_changes += 1
         logger.warning("kvstrata: %s available again after %.1fs", self.name, down_for)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message``, or the type alone (asyncio's TimeoutError has no message)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

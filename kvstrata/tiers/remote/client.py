@@ -85,6 +85,16 @@ async def touch_many(client: Any, keys: Sequence[bytes]) -> int:
     return sum(await pipe.execute())
 
 
+async def ping(client: Any) -> None:
+    """PING the server, or every primary of a cluster: redis-py sends a cluster's PING to one
+    node only, which answers while another master is down or hung (the breaker would then close
+    for the next batch to fail on that master, once per probe interval)."""
+    if isinstance(client, RedisCluster):
+        await client.ping(target_nodes=RedisCluster.PRIMARIES)
+    else:
+        await client.ping()
+
+
 class RemoteLoop:
     """An asyncio loop on a daemon thread of its own, for the client and the breaker's probe."""
 

@@ -189,10 +189,21 @@ class RemoteStore:
             return
         self._closed = True
         try:
-            self._loop.call(self._client.aclose(), self._deadline)
+            self._loop.submit(self._shutdown()).result(self._deadline + 1.0)
         except Exception:  # closing a dead server's connections: nothing to do about it
             pass
         self._loop.stop()
+
+    async def _shutdown(self) -> None:
+        """On the loop: end what runs behind the callers (touches, deletions of damaged values,
+        the probe), then close the connections. A task left pending when the loop stops is
+        destroyed later by the garbage collector, mid-command, with "Task was destroyed but it
+        is pending" and an exception from redis-py that finds no running loop."""
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await asyncio.wait_for(self._client.aclose(), self._deadline)
 
     # ---- server information (tools, tests, benchmarks) -------------------------------------
 
@@ -242,7 +253,9 @@ class RemoteStore:
         if not keys:
             return 0
         if wait:
-            n = self._call(rc.delete_many(self._client, [self._rkey(k) for k in keys]), 0)
+            n = self._call(rc.delete_many(self._client, [self._rkey(k) for k in keys]), None)
+            if n is None:  # not deleted (server unavailable): nothing to count or tell
+                return 0
         else:
             n = 0
             self._loop.submit(self._quiet(rc.delete_many(self._client, [self._rkey(k) for k in keys])))
@@ -278,9 +291,9 @@ class RemoteStore:
                 await self._reset_connections()
                 await asyncio.sleep(self._breaker.probe_interval_s)
                 try:
-                    await asyncio.wait_for(self._client.ping(), self._deadline)
+                    await asyncio.wait_for(rc.ping(self._client), self._deadline)
                 except Exception as exc:
-                    self._breaker.last_error = f"{type(exc).__name__}: {exc}"
+                    self._breaker.note(exc)
                     continue
                 self._breaker.recovered()
         finally:

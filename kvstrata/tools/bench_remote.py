@@ -1,0 +1,561 @@
+"""``kvstrata bench remote``: the shared tier (Redis / Valkey) against a plain GET, and its first
+token against the local disk tier.
+
+Two parts, each measured side by side in one run (alternating, so a noisy neighbour affects both):
+
+1. **Load rate.** A ``--tokens`` prompt's worth of SmolLM2-shaped chunks of realistic synthetic bf16
+   KV (``bench_disk.synthetic_kv``) is written through :class:`~kvstrata.tiers.remote.RemoteStore`
+   (kvstrata's frames) and, as raw bytes under other keys, with a plain redis-py SET. Then, per
+   repetition: the store reads every chunk into a host-sized buffer the way the hierarchy's
+   promoter does (``get_many_into`` per chunk, on ``--threads`` reader threads like its read pool)
+   against one pipelined redis-py GET of all the raw values. ``remote_load_vs_raw_get`` is the
+   ratio of the rates (MB/s of raw KV), ``bytes_vs_raw`` what the server holds for kvstrata over
+   the raw KV bytes.
+2. **First token** (skipped with ``--quick``). SmolLM2 on vLLM (multiprocess engine, as ``bench
+   e2e``): one process computes the prompt with the remote tier and a local store (filling both),
+   then per round, in alternating order, a fresh engine with an empty local store and an empty
+   host tier serves the prompt from the remote tier (and then recomputes it under another cache
+   salt with kvstrata bypassed: the cold figure), and a fresh engine without the remote tier
+   serves it from the filled disk store, page cache dropped. A ratio is reported only when its
+   runs were served from the tier it names (kvstrata's per-tier hit counters).
+
+The benchmark starts its own ``redis-server`` (no persistence, ``allkeys-lru``) unless
+``--remote-url`` names one; it uses only keys under ``kvstrata:`` and ``kvstrata-bench:``, and
+deletes its benchmark keys at the end. Not a timed test: timings only go to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstrata.tools.bench_disk import entropy_bound, synthetic_kv
+
+MB = 1e6
+DEFAULT_TOKENS = 4096
+QUICK_TOKENS = 512
+# SmolLM2-135M (the model of ``bench e2e``): 30 layers x 3 KV heads x head size 64, bf16, K and V;
+# vLLM's CPU block of 128 tokens is one chunk (blocks_per_chunk 1).
+SMOLLM2_LAYERS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_SIZE = 30, 3, 64
+BLOCK_TOKENS = 128
+TOKEN_BYTES = SMOLLM2_LAYERS * 2 * SMOLLM2_KV_HEADS * SMOLLM2_HEAD_SIZE * 2  # 23040
+RAW_PREFIX = b"kvstrata-bench:raw:"
+GOALS = {"remote_load_vs_raw_get": (">=", 0.8), "bytes_vs_raw": ("<=", 0.7),
+         "remote_ttft_vs_disk_ttft": ("<=", 1.3), "remote_ttft_vs_cold": ("<=", 0.1)}
+GOAL_MIN_TOKENS = 4096  # the TTFT goals are stated for 4096-token prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"prompt length in tokens (default {DEFAULT_TOKENS}; {QUICK_TOKENS} "
+                             "with --quick)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="engine rounds (remote and disk, alternating); TTFTs are medians "
+                             "(default %(default)s)")
+    parser.add_argument("--load-repeats", type=int, default=None,
+                        help="load-rate repetitions, alternating kvstrata and the plain GET "
+                             "(default 9; 3 with --quick)")
+    parser.add_argument("--remote-url", default=None,
+                        help="use this Redis/Valkey server (redis://host:port/db) instead of "
+                             "starting a redis-server")
+    parser.add_argument("--maxmemory-mb", type=int, default=1024,
+                        help="maxmemory of the redis-server the bench starts (default %(default)s)")
+    parser.add_argument("--codec", choices=("auto", "raw"), default="auto",
+                        help="kvstrata codec, remote and disk (default %(default)s)")
+    parser.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="reader threads of the load-rate part (default: the hierarchy's "
+                             "read threads on this machine, io_threads 'auto')")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic KV")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small, fast run for smoke tests: the load-rate part only, "
+                             f"{QUICK_TOKENS} tokens, no engine")
+    parser.add_argument("--no-engine", action="store_true",
+                        help="skip the first-token part (no vLLM, no model)")
+    engine = parser.add_argument_group("first-token part (as bench e2e)")
+    engine.add_argument("--max-tokens", type=int, default=16,
+                        help="tokens generated per request (default %(default)s)")
+    engine.add_argument("--model-cache", type=Path, default=None,
+                        help="where the dequantised model is cached (as bench e2e)")
+    engine.add_argument("--host-bytes", default="512MiB", help="kvstrata host tier (default %(default)s)")
+    engine.add_argument("--kv-cache-bytes", default="512MiB",
+                        help="vLLM's own KV cache (default %(default)s)")
+    engine.add_argument("--no-drop-caches", action="store_true",
+                        help="do not drop the OS page cache before the served requests")
+    engine.add_argument("--store", type=Path, default=None,
+                        help="parent directory for the local stores (default: a temporary "
+                             "directory, removed afterwards)")
+
+
+# ---------------------------------------------------------------------------------------------
+# A redis-server of the benchmark's own
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server(maxmemory_mb: int, *, start_timeout_s: float = 15.0) -> Iterator[str]:
+    """Start ``redis-server`` (or ``valkey-server``) on a free local port, without persistence
+    and with ``allkeys-lru`` eviction; yield its ``remote_url``; stop it afterwards."""
+    import redis
+
+    from kvstrata.tools.cli import CLIError
+
+    binary = shutil.which("valkey-server") or shutil.which("redis-server")
+    if binary is None:
+        raise CLIError("no redis-server or valkey-server on PATH (Debian: apt-get install "
+                       "redis-server), or pass --remote-url")
+    workdir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-redis-"))
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+            "--save", "", "--appendonly", "no", "--maxmemory", f"{maxmemory_mb}mb",
+            "--maxmemory-policy", "allkeys-lru"]
+    log_path = workdir / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.RedisError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise CLIError(f"{binary} did not start on port {port}: "
+                               + log_path.read_text(errors="replace")[-500:])
+            time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def remote_server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """(url, how): ``--remote-url``, or a redis-server started here."""
+    if args.remote_url:
+        yield args.remote_url, "given (--remote-url)"
+        return
+    with redis_server(args.maxmemory_mb) as url:
+        yield url, f"started by the bench (maxmemory {args.maxmemory_mb}mb, allkeys-lru, no persistence)"
+
+
+def plain_client(url: str) -> Any:
+    """A synchronous redis-py client of a single server (the plain baseline)."""
+    import redis
+
+    from kvstrata.remote_address import parse_remote_url
+    from kvstrata.tools.cli import CLIError
+
+    address = parse_remote_url(url)
+    if address.cluster:
+        raise CLIError("the load-rate baseline needs a single server, not a cluster URL")
+    host, port = address.nodes[0]
+    return redis.Redis(host=host, port=port, db=address.db, username=address.username,
+                       password=address.password, ssl=address.tls, socket_timeout=30)
+
+
+def server_figures(client: Any) -> dict[str, Any]:
+    info = client.info()
+    return {k: info.get(k) for k in ("redis_version", "valkey_version", "used_memory",
+                                     "maxmemory", "maxmemory_policy", "evicted_keys",
+                                     "io_threads_active") if k in info}
+
+
+def strlens(client: Any, keys: list[bytes]) -> list[int]:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.strlen(key)
+    return list(pipe.execute()) if keys else []
+
+
+def value_bytes(client: Any, pattern: bytes) -> tuple[int, int, int]:
+    """(keys, sum of value lengths, sum of MEMORY USAGE) of the keys matching ``pattern``."""
+    keys = list(client.scan_iter(match=pattern, count=1000))
+    if not keys:
+        return 0, 0, 0
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.memory_usage(key, samples=0)
+    usage = pipe.execute()
+    return len(keys), sum(int(n or 0) for n in strlens(client, keys)), sum(int(n or 0) for n in usage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 1: load rate, kvstrata's remote -> host path vs a plain pipelined GET
+
+
+def _mbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / MB, 1) if seconds > 0 else 0.0
+
+
+def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> dict[str, Any]:
+    from kvstrata.config import StrataConfig
+    from kvstrata.tiers.remote import RemoteStore
+
+    chunk_bytes = BLOCK_TOKENS * TOKEN_BYTES
+    n_chunks = max(1, -(-tokens // BLOCK_TOKENS))
+    total = n_chunks * chunk_bytes
+    data = synthetic_kv(total, chunk_bytes, args.seed)
+    flat = data.view(np.uint8)
+    chunks = [memoryview(flat[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
+    # store keys: 16-byte namespace + 32-byte block hash + 4-byte group, like the connector's
+    ns = os.urandom(16)  # a run of its own: nothing of an earlier run (or engine) is read
+    keys = [ns + i.to_bytes(32, "big") + (0).to_bytes(4, "big") for i in range(n_chunks)]
+    raw_keys = [RAW_PREFIX + ns.hex().encode() + b":%d" % i for i in range(n_chunks)]
+    threads = args.threads or StrataConfig().resolve_io_threads()
+
+    plain = plain_client(url)
+    # Timeouts far above the serving defaults: a busy 2-core machine must not turn into misses.
+    store = RemoteStore(url, codec=args.codec, level=args.level, connect_timeout_s=5.0,
+                        timeout_s=30.0, max_connections=max(16, threads))
+    sink = np.empty(total, dtype=np.uint8)
+    outs = [memoryview(sink[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-remote-read")
+    clients: list[Any] = []
+    try:
+        t = time.perf_counter()
+        for i in range(0, n_chunks, 4):  # batches of 4, as bench disk stores them
+            stored = store.put_many([(k, c, "bfloat16") for k, c in
+                                     zip(keys[i:i + 4], chunks[i:i + 4], strict=True)])
+            if stored != len(keys[i:i + 4]):
+                raise RuntimeError(f"the server stored {stored} of {len(keys[i:i + 4])} chunks: "
+                                   f"{store.stats()}")
+        put_s = time.perf_counter() - t
+        pipe = plain.pipeline(transaction=False)
+        for k, c in zip(raw_keys, chunks, strict=True):
+            pipe.set(k, c)
+        pipe.execute()
+        nkeys, strlen_sum, mem_sum = value_bytes(plain, b"kvstrata:" + ns.hex().encode() + b":*")
+        raw_nkeys, raw_strlen, raw_mem = value_bytes(plain, RAW_PREFIX + ns.hex().encode() + b":*")
+
+        def kvstrata_load() -> tuple[float, bool]:
+            sink.fill(1)  # a touched destination, like the host slab
+            t0 = time.perf_counter()
+            got = list(pool.map(lambda i: store.get_many_into([(keys[i], outs[i])])[0],
+                                range(n_chunks)))
+            s = time.perf_counter() - t0
+            return s, all(g == chunk_bytes for g in got) and bool(np.array_equal(sink, flat))
+
+        def plain_get() -> tuple[float, bool]:
+            t0 = time.perf_counter()
+            p = plain.pipeline(transaction=False)
+            for k in raw_keys:
+                p.get(k)
+            values = p.execute()
+            s = time.perf_counter() - t0
+            return s, all(v is not None and v == c for v, c in zip(values, chunks, strict=True))
+
+        local = threading.local()
+
+        def raw_get_one(i: int) -> bytes | None:
+            c = getattr(local, "client", None)
+            if c is None:
+                c = local.client = plain_client(url)
+                clients.append(c)
+            return c.get(raw_keys[i])
+
+        def plain_get_threads() -> tuple[float, bool]:
+            t0 = time.perf_counter()
+            values = list(pool.map(raw_get_one, range(n_chunks)))
+            s = time.perf_counter() - t0
+            return s, all(v is not None and v == c for v, c in zip(values, chunks, strict=True))
+
+        contenders = [("kvstrata", kvstrata_load), ("raw", plain_get), ("raw_threads", plain_get_threads)]
+        for _, fn in contenders:  # warm every path (connections, thread-local zstd contexts)
+            fn()
+        rounds = []
+        for r in range(repeats):
+            rr: dict[str, Any] = {}
+            for name, fn in contenders[r % 3:] + contenders[:r % 3]:  # each goes first in turn
+                s, ok = fn()
+                rr[f"{name}_s"], rr[f"{name}_ok"] = s, ok
+            rr["ratio"] = rr["raw_s"] / rr["kvstrata_s"]
+            rr["ratio_threads"] = rr["raw_threads_s"] / rr["kvstrata_s"]
+            rounds.append(rr)
+        stats = store.stats()
+        server = server_figures(plain)
+    finally:
+        pool.shutdown()
+        for c in clients:
+            c.close()
+        with contextlib.suppress(Exception):
+            store.delete_many(keys)
+        with contextlib.suppress(Exception):
+            plain.delete(*raw_keys)
+        store.close()
+        plain.close()
+    kv_s = statistics.median(r["kvstrata_s"] for r in rounds)
+    raw_s = statistics.median(r["raw_s"] for r in rounds)
+    raw_threads_s = statistics.median(r["raw_threads_s"] for r in rounds)
+    return {
+        "remote_load_vs_raw_get": round(statistics.median(r["ratio"] for r in rounds), 3),
+        "remote_load_MBps": _mbps(total, kv_s),
+        "raw_get_MBps": _mbps(total, raw_s),
+        "bytes_vs_raw": round(stats["put_bytes"] / stats["put_raw_bytes"], 4),
+        "load": {
+            # A stronger plain baseline than the one pipeline: a GET per chunk on the same
+            # threads, each with a connection of its own (not a goal; for reading the ratio).
+            "remote_load_vs_raw_get_threads": round(statistics.median(r["ratio_threads"] for r in rounds), 3),
+            "raw_get_threads_MBps": _mbps(total, raw_threads_s),
+            "verified": all(r["kvstrata_ok"] and r["raw_ok"] and r["raw_threads_ok"] for r in rounds)
+            and nkeys == n_chunks,
+            "tokens": tokens, "chunks": n_chunks, "chunk_bytes": chunk_bytes, "raw_bytes": total,
+            "stored_bytes": stats["put_bytes"], "server_value_bytes": strlen_sum,
+            "server_memory_usage_vs_raw": round(mem_sum / raw_mem, 4) if raw_mem else None,
+            "raw_values_bytes": raw_strlen if raw_nkeys == n_chunks else None,
+            "entropy_bound_ratio": round(entropy_bound(data), 4),
+            "put_MBps": _mbps(total, put_s),
+            "threads": threads, "repeats": repeats, "codec": args.codec, "level": args.level,
+            "path": "RemoteStore.get_many_into per chunk on a thread pool (the promoter's read); "
+                    "baseline (raw): one redis-py pipeline of GETs of the raw bytes (sync client, "
+                    "hiredis), no copy; raw_threads: a plain GET per chunk on the same threads",
+            "data": "synthetic bf16 (bench_disk.synthetic_kv: lognormal channel scales, channel "
+                    "means, 2% outliers, K/V alternating), SmolLM2-135M chunk geometry",
+            "rounds": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                       for r in rounds],
+            "server": server,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 2: first token from the remote tier vs the disk tier vs recomputed
+
+
+def _generate(name: str, prompt: list[int], max_tokens: int, salt: str,
+              bypass: bool = False) -> dict[str, Any]:
+    from kvstrata.tools.ttft import BYPASS_KVSTRATA
+
+    step: dict[str, Any] = {"op": "generate", "name": name, "prompts": [prompt],
+                            "max_tokens": max_tokens, "cache_salt": salt, "ignore_eos": True}
+    if bypass:
+        step["kv_transfer_params"] = BYPASS_KVSTRATA
+    return step
+
+
+def _served(step: dict[str, Any]) -> dict[str, Any]:
+    """One generate step's TTFT, tokens and where kvstrata says its prefix came from."""
+    out, m = step["outputs"][0], step["metrics"]
+    return {"ttft_s": out["ttft_s"], "token_ids": out["token_ids"],
+            "prompt_tokens": out["prompt_tokens"], "cached_tokens": out["num_cached_tokens"],
+            **{f"hit_tokens_{t}": int(m.get(f"vllm:kvstrata_hit_tokens_{t}", 0))
+               for t in ("host", "disk", "remote")},
+            "hit_tokens": int(m.get("vllm:kvstrata_hit_tokens", 0))}
+
+
+def first_token(url: str, args: argparse.Namespace, tokens: int,
+                say: Callable[[str], None]) -> dict[str, Any]:
+    from kvstrata.config import parse_size
+    from kvstrata.tools import ttft
+    from kvstrata.tools.bench_e2e import smollm2, stores_parent
+    from kvstrata.tools.cli import CLIError
+    from kvstrata.tools.corpus import chat_prompt
+    from kvstrata.tools.engine import JobError, run_job_subprocess, store_summary
+    from kvstrata.tools.models import check_smollm2_prompt
+
+    try:
+        check_smollm2_prompt(tokens, args.max_tokens)
+    except ValueError as exc:
+        raise CLIError(str(exc).replace("--prompt-tokens", "--tokens")) from None
+    model = smollm2(args, say)
+    prompt = chat_prompt(model, tokens).token_ids
+    salt = f"kvstrata-bench-remote-{os.urandom(4).hex()}"  # nothing of an earlier run is found
+    remote_opts = {"remote_url": url, "codec": args.codec, "zstd_level": args.level}
+    drop = [] if args.no_drop_caches else [{"op": "drop_page_cache"}]
+
+    def engine(store: Path, extra: dict[str, Any]) -> dict[str, Any]:
+        opts = ttft.engine_options(
+            str(model), str(store), tokens,
+            host_bytes=parse_size("--host-bytes", args.host_bytes),
+            kv_cache_bytes=parse_size("--kv-cache-bytes", args.kv_cache_bytes), multiprocess=True)
+        opts.extra_config = extra
+        return asdict(opts)
+
+    def warm(tag: str) -> dict[str, Any]:  # one-time kernel set-up, nothing stored (ttft.py)
+        return _generate("warmup", prompt, 2, f"{salt}-warmup-{tag}", bypass=True)
+
+    def job(name: str, spec: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], int]:
+        """The steps of one engine process by name, and the bytes it read from the server."""
+        try:
+            res = run_job_subprocess(spec, timeout_s=900, progress=lambda m: say(f"  {name}: {m}"))
+        except JobError as exc:
+            raise CLIError(f"the engine failed ({name}): {exc}") from None
+        # A gauge (cumulative, the newest snapshot wins), so the process' largest value.
+        read = max((int(s.get("metrics", {}).get("vllm:kvstrata_remote_read_bytes", 0))
+                    for s in res["steps"]), default=0)
+        return {s["name"]: s for s in res["steps"]}, read
+
+    plain = plain_client(url)
+    pattern = b"kvstrata:*"
+    new_keys: list[bytes] = []
+    with stores_parent(args.store, "kvstrata-bench-remote-") as parent, \
+            contextlib.ExitStack() as cleanup:
+        cleanup.callback(plain.close)
+        cleanup.callback(lambda: new_keys and plain.delete(*new_keys))  # this run's values only
+        filled = parent / "filled"
+        shutil.rmtree(filled, ignore_errors=True)
+        keys_before = set(plain.scan_iter(match=pattern, count=1000))
+        say("fill: the prompt computed once, stored to the local disk and the remote tier")
+        fill, _ = job("fill", {"engine": engine(filled, remote_opts), "steps": [
+            warm("fill"), _generate("fill", prompt, args.max_tokens, salt)]})
+        new_keys = sorted(set(plain.scan_iter(match=pattern, count=1000)) - keys_before)
+        value_sum = sum(int(n or 0) for n in strlens(plain, new_keys))
+        held = store_summary(filled, str(model)).get("model") or {}
+        rounds: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            order = ["remote", "disk"] if r % 2 == 0 else ["disk", "remote"]
+            rr: dict[str, Any] = {"order": order}
+            for kind in order:
+                say(f"round {r + 1}/{args.rounds}: {kind}")
+                if kind == "remote":
+                    fresh = parent / f"remote-{r}"
+                    shutil.rmtree(fresh, ignore_errors=True)
+                    steps, read = job(kind, {"engine": engine(fresh, remote_opts), "steps": [
+                        warm("remote"), *drop, _generate("remote", prompt, args.max_tokens, salt),
+                        _generate("cold", prompt, args.max_tokens, f"{salt}-cold-{r}", bypass=True)]})
+                    rr["remote"], rr["cold"] = _served(steps["remote"]), _served(steps["cold"])
+                    rr["remote_process_read_bytes"] = read
+                    shutil.rmtree(fresh, ignore_errors=True)
+                else:
+                    steps, _ = job(kind, {"engine": engine(filled, {"codec": args.codec}), "steps": [
+                        warm("disk"), *drop, _generate("disk", prompt, args.max_tokens, salt)]})
+                    rr["disk"] = _served(steps["disk"])
+                    rr["page_cache_dropped"] = bool(drop) and all(
+                        s.get("ok") for s in steps.values() if s["op"] == "drop_page_cache")
+            rounds.append(rr)
+    return _ttft_summary(_served(fill["fill"]), rounds, len(new_keys), value_sum, held)
+
+
+def _ttft_summary(fill: dict[str, Any], rounds: list[dict[str, Any]], remote_keys: int,
+                  value_sum: int, held: dict[str, Any]) -> dict[str, Any]:
+    prompt_tokens = fill["prompt_tokens"]
+
+    def from_remote(s: dict[str, Any]) -> bool:
+        # Every token kvstrata served came from the remote tier, and it served the prompt
+        # (all of it but the token a request always computes).
+        return (s["hit_tokens_remote"] == s["hit_tokens"] == s["cached_tokens"]
+                and s["hit_tokens_disk"] == 0 and s["cached_tokens"] >= prompt_tokens - 1)
+
+    def from_disk(s: dict[str, Any]) -> bool:
+        return (s["hit_tokens_disk"] == s["hit_tokens"] == s["cached_tokens"]
+                and s["hit_tokens_remote"] == 0 and s["cached_tokens"] >= prompt_tokens - 1)
+
+    def cold(s: dict[str, Any]) -> bool:
+        return s["cached_tokens"] == 0 and s["hit_tokens"] == 0
+
+    ok = {"remote": all(from_remote(r["remote"]) for r in rounds),
+          "disk": all(from_disk(r["disk"]) for r in rounds),
+          "cold": all(cold(r["cold"]) for r in rounds)}
+    med = {k: round(statistics.median(r[k]["ttft_s"] for r in rounds), 4)
+           for k in ("remote", "disk", "cold")}
+    ref = rounds[0]["cold"]["token_ids"]
+
+    def ratio(a: str, b: str) -> float | None:  # refused unless both preconditions held
+        return round(med[a] / med[b], 4) if ok[a] and ok[b] and med[b] else None
+
+    out: dict[str, Any] = {
+        "remote_ttft_vs_disk_ttft": ratio("remote", "disk"),
+        "remote_ttft_vs_cold": ratio("remote", "cold"),
+        "remote_ttft_s": med["remote"], "disk_ttft_s": med["disk"], "cold_ttft_s": med["cold"],
+        "served_from_remote": ok["remote"], "served_from_disk": ok["disk"], "cold_recomputed": ok["cold"],
+        "preconditions": {
+            "remote": "hit_tokens_remote == hit_tokens == cached tokens >= prompt - 1, "
+                      "hit_tokens_disk == 0",
+            "disk": "hit_tokens_disk == hit_tokens == cached tokens >= prompt - 1, "
+                    "hit_tokens_remote == 0",
+            "cold": "no cached tokens (kvstrata bypassed, a cache salt of its own)"},
+        "outputs_identical": all(r[k]["token_ids"] == ref for r in rounds
+                                 for k in ("remote", "disk", "cold")),
+        "page_cache_dropped": all(r.get("page_cache_dropped") for r in rounds),
+        "prompt_tokens": prompt_tokens,
+        "fill": {"ttft_s": round(fill["ttft_s"], 4), "remote_keys": remote_keys,
+                 "remote_value_bytes": value_sum, "disk_stored_bytes": held.get("stored_bytes"),
+                 "raw_bytes": held.get("raw_bytes")},
+        # The real KV of the engine, as the server holds it (the synthetic KV's is bytes_vs_raw).
+        "engine_kv_bytes_vs_raw": (round(value_sum / held["raw_bytes"], 4)
+                                   if held.get("raw_bytes") else None),
+        "rounds": [{"order": r["order"], **{k: {f: round(r[k][f], 4) if f == "ttft_s" else r[k][f] for f in (
+            "ttft_s", "cached_tokens", "hit_tokens_host", "hit_tokens_disk", "hit_tokens_remote")}
+            for k in ("remote", "disk", "cold")},
+            "remote_process_read_bytes": r["remote_process_read_bytes"]} for r in rounds],
+    }
+    if not ok["remote"]:
+        out["refused"] = "the remote runs were not all served from the remote tier alone: no remote ratio"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _goals(out: dict[str, Any], tokens: int) -> dict[str, Any]:
+    goals: dict[str, Any] = {}
+    for key, (op, bound) in GOALS.items():
+        value = out.get(key)
+        applies = not key.startswith("remote_ttft") or tokens >= GOAL_MIN_TOKENS
+        met = None if value is None or not applies else (value >= bound if op == ">=" else value <= bound)
+        goals[f"{key}{op}{bound}"] = met
+    return goals
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.tools.cli import CLIError
+
+    tokens = args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+    repeats = args.load_repeats or (3 if args.quick else 9)
+    if tokens < 1 or args.rounds < 1 or repeats < 1:
+        raise CLIError("--tokens, --rounds and --load-repeats must be at least 1")
+    engine = not (args.quick or args.no_engine)
+
+    def say(msg: str) -> None:
+        print(f"bench remote: {msg}", file=sys.stderr, flush=True)
+
+    loadavg_before = os.getloadavg()[0]
+    with remote_server(args) as (url, how):
+        say(f"load rate: {tokens} tokens of synthetic KV, {repeats} alternating repetitions")
+        out = load_rate(url, args, tokens, repeats)
+        if engine:
+            out.update(first_token(url, args, tokens, say))
+        else:
+            out["first_token"] = "skipped (--quick)" if args.quick else "skipped (--no-engine)"
+        out["server"] = {"how": how, **out["load"].pop("server")}
+    out.update(
+        tokens=tokens, codec=args.codec, quick=bool(args.quick),
+        cpu_count=os.cpu_count(),
+        loadavg_1m={"before": round(loadavg_before, 2), "after": round(os.getloadavg()[0], 2)},
+    )
+    out["goals"] = _goals(out, tokens)
+    ok = out["load"]["verified"] and (not engine or out.get("remote_ttft_vs_disk_ttft") is not None)
+    if not ok:
+        out["_exit_code"] = 1
+    # the headline figures first
+    head = ("remote_load_vs_raw_get", "bytes_vs_raw", "remote_ttft_vs_disk_ttft", "remote_ttft_vs_cold")
+    return {**{k: out[k] for k in head if k in out}, **{k: v for k, v in out.items() if k not in head}}

@@ -1,0 +1,251 @@
+"""``RemoteStore`` on a real 3-master Redis cluster (``redis+cluster://``): batches that span
+slots and nodes, two engines sharing chunks through it, and one master killed and brought back.
+
+What a dead master does today (observed, and asserted as such): the tier has one breaker for the
+whole cluster, and the probe's PING goes to every node, so while any master is down the whole
+shared tier is skipped (every chunk a MISS, at once, no exception), not only that master's slots.
+With Redis' default ``cluster-require-full-coverage yes`` the surviving masters refuse every key
+(CLUSTERDOWN) anyway once they mark the node failed (``cluster-node-timeout``, 2 s here). When the
+master is back (empty: no persistence, no replica), the breaker closes, the other masters' values
+are served again and the dead master's are misses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from redis_server import RedisCluster
+
+from kvstrata.presence import Presence
+from kvstrata.tiers.hierarchy import Hierarchy
+from kvstrata.tiers.host import HostPool, HostSlab
+from kvstrata.tiers.remote import RemoteStore, remote_key
+
+HIT, PENDING, MISS = Presence.HIT, Presence.PENDING, Presence.MISS
+NS = [b"rank0-namespace!", b"rank1-namespace!"]
+SIZE = 2048
+LOOKUP_BOUND_S = 1.5
+DEADLINE_S = 20.0
+
+
+def skey(i: int, ns: bytes = NS[0]) -> bytes:
+    return ns + i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+def value(k: bytes) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(k[16:48], "big") + k[4]).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def eventually(cond: Callable[[], object], what: str, deadline_s: float = DEADLINE_S) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < deadline_s, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+@pytest.fixture
+def cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
+    """The module's cluster, empty and healthy for each test."""
+    for s in redis_cluster.servers:
+        if s.proc is None:
+            s.start()
+    redis_cluster._wait_ok()
+    for s in redis_cluster.servers:
+        s.client().flushall()
+    yield redis_cluster
+
+
+def node_keys(cluster: RedisCluster) -> list[set[bytes]]:
+    """The keys each master holds (SCAN on a node lists its own keys only)."""
+    return [set(s.client().scan_iter(match=b"kvstrata:*", count=1000)) for s in cluster.servers]
+
+
+def store_on(cluster: RedisCluster, **kw) -> RemoteStore:
+    opts = dict(connect_timeout_s=0.5, timeout_s=1.0, probe_interval_s=0.2)
+    opts.update(kw)
+    return RemoteStore(cluster.url, **opts)
+
+
+def test_batches_span_slots_and_nodes(cluster: RedisCluster) -> None:
+    store = store_on(cluster)
+    try:
+        keys = [skey(i, NS[i % 2]) for i in range(300)]
+        data = [value(k) for k in keys]
+        assert store.put_many([(k, d, "uint8") for k, d in zip(keys, data, strict=True)]) == 300
+        held = node_keys(cluster)
+        assert all(len(h) > 50 for h in held), [len(h) for h in held]  # every master got its share
+        assert set().union(*held) == {remote_key(k) for k in keys}
+        assert store.contains_many(keys + [skey(999)]) == [True] * 300 + [False]
+        outs = [np.zeros(SIZE, np.uint8) for _ in keys]
+        assert store.get_many_into(list(zip(keys, outs, strict=True))) == [SIZE] * 300
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
+        # A damaged value on one node: a miss, deleted through the cluster client.
+        node = next(s for s, h in zip(cluster.servers, held, strict=True) if remote_key(keys[7]) in h)
+        node.client().set(remote_key(keys[7]), b"KVSF garbage")
+        assert store.get_into(keys[7], np.zeros(SIZE, np.uint8)) is None
+        eventually(lambda: node.client().exists(remote_key(keys[7])) == 0, "the damaged value's deletion")
+        assert store.delete_many(keys[:100]) == 99  # keys[7] is gone already
+        assert store.contains_many(keys[:100]) == [False] * 100
+        assert sum(len(h) for h in node_keys(cluster)) == 200
+        st = store.stats()
+        assert (st["corrupt"], st["errors"], st["unavailable"], st["skipped_unavailable"]) == (1, 0, 0, 0)
+    finally:
+        store.close()
+
+
+def test_two_engines_share_chunks_through_the_cluster(tmp_path: Path, cluster: RedisCluster) -> None:
+    shard = 4096
+    made: list = []
+
+    def engine(name: str) -> Hierarchy:
+        slab = HostSlab(tmp_path / f"slab-{name}", shard * len(NS), 32)
+        remote = store_on(cluster)
+        h = Hierarchy(HostPool(slab), [remote], namespaces=NS, group_shard_bytes=[shard],
+                      group_dtypes=["bfloat16"], write_backpressure="drop", idle_writes=False)
+        made.extend([slab, remote, h])
+        return h
+
+    def fill(k: bytes, r: int) -> np.ndarray:
+        return np.random.default_rng(int.from_bytes(k[:32], "big") * 5 + r).integers(0, 256, shard, dtype=np.uint8)
+
+    try:
+        keys = [i.to_bytes(32, "big") + (0).to_bytes(4, "big") for i in range(24)]
+        a = engine("a")
+        slots = a.prepare_store(keys)
+        assert slots is not None
+        for k, s in slots.items():
+            for r in range(len(NS)):
+                a.slab.array[s, r * shard : (r + 1) * shard] = fill(k, r)
+        a.complete_store(keys)
+        eventually(lambda: a.stats()["tiers"]["remote"]["writes_completed"] == 24, "write-behind")
+        assert sum(len(h) for h in node_keys(cluster)) == 48 and all(node_keys(cluster))
+        b = engine("b")
+        promoting: dict[bytes, str] = {}
+        assert b.lookup_many(keys, promoting) == [PENDING] * 24
+        assert promoting == dict.fromkeys(keys, "remote")
+        eventually(lambda: b.lookup_many(keys) == [HIT] * 24, "promotions from the cluster")
+        loaded = b.prepare_load(keys)
+        for k, s in zip(keys, loaded, strict=True):
+            for r in range(len(NS)):
+                assert np.array_equal(b.slab.array[s, r * shard : (r + 1) * shard], fill(k, r))
+        b.complete_load(keys)
+    finally:
+        for obj in reversed(made):
+            obj.close()
+
+
+def test_one_master_killed_and_back(cluster: RedisCluster) -> None:
+    store = store_on(cluster)
+    try:
+        keys = [skey(i, NS[i % 2]) for i in range(300)]
+        assert store.put_many([(k, value(k), "uint8") for k in keys]) == 300
+        held = node_keys(cluster)
+        victim = cluster.servers[1]
+        lost = [remote_key(k) in held[1] for k in keys]
+        assert 50 < sum(lost) < 250
+        victim.kill()
+        # While it is down: answers come at once, never an exception; its keys are misses.
+        for _ in range(5):
+            t0 = time.monotonic()
+            found = store.contains_many(keys)
+            outs = [np.zeros(SIZE, np.uint8) for _ in keys[:30]]
+            got = store.get_many_into(list(zip(keys[:30], outs, strict=True)))
+            assert time.monotonic() - t0 < LOOKUP_BOUND_S
+            assert not any(f for f, gone in zip(found, lost, strict=True) if gone)
+            for k, n, o in zip(keys[:30], got, outs, strict=True):
+                assert n is None or (n == SIZE and np.array_equal(o, value(k)))
+            assert store.put_many([(skey(5000), value(skey(5000)), "uint8")]) in (0, 1)
+        st = store.stats()
+        assert st["unavailable"] >= 1 and not store.available  # observed: the whole tier is skipped
+        assert st["errors"] == 0 and st["corrupt"] == 0
+        # Back (empty): the breaker closes; the other masters' values were never lost.
+        victim.start()
+        cluster._wait_ok()
+        eventually(lambda: store.available, "the breaker to close", 10)
+        found = store.contains_many(keys)
+        assert found == [not gone for gone in lost]
+        outs = [np.zeros(SIZE, np.uint8) for _ in keys]
+        got = store.get_many_into(list(zip(keys, outs, strict=True)))
+        assert got == [None if gone else SIZE for gone in lost]
+        assert store.put_many([(k, value(k), "uint8") for k, gone in zip(keys, lost, strict=True) if gone]) == sum(lost)
+        assert store.contains_many(keys) == [True] * 300
+    finally:
+        store.close()
+        if cluster.servers[1].proc is None:
+            cluster.servers[1].start()
+
+
+def test_one_master_hung_costs_one_timeout(cluster: RedisCluster) -> None:
+    """A master SIGSTOPped: the call that meets it waits for the timeouts; every later call is
+    answered at once while it hangs. The probe must PING every master for that: redis-py sends a
+    cluster PING to one node (its default), which answers, and the breaker used to close each
+    probe interval only for the next batch to wait on the hung master again."""
+    keys = [skey(i, NS[i % 2]) for i in range(300)]
+    writer = store_on(cluster)
+    try:
+        assert writer.put_many([(k, value(k), "uint8") for k in keys]) == 300
+    finally:
+        writer.close()
+    store = store_on(cluster, connect_timeout_s=0.2, timeout_s=0.25)  # the connector's defaults
+    try:
+        # Connected (a loaded machine may time out once on the way: the breaker then recovers).
+        eventually(lambda: store.available and store.contains_many(keys[:1]) == [True], "a first answer")
+        changes = store.stats()["state_changes"]
+        default = store._client.get_default_node()  # where a plain cluster PING goes
+        victim = next(s for s in cluster.servers if s.port != default.port)
+        victim.pause()
+        try:
+            slow = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.2:  # less than cluster-node-timeout: no failover state
+                t = time.monotonic()
+                found = store.contains_many(keys)
+                took = time.monotonic() - t
+                assert took < LOOKUP_BOUND_S and not any(found)
+                if took > 0.2:
+                    slow.append(round(took, 2))
+                time.sleep(0.01)  # a step loop's pace
+            assert len(slow) == 1, f"calls that waited on the hung master: {slow}"
+            st = store.stats()
+            assert st["state_changes"] == changes + 1 and not store.available
+            assert st["skipped_unavailable"] > 10
+        finally:
+            victim.resume()
+        eventually(lambda: store.available, "the breaker to close", 10)
+        assert store.contains_many(keys) == [True] * 300  # nothing lost
+    finally:
+        store.close()
+
+
+def test_a_url_of_one_seed_finds_the_whole_cluster(cluster: RedisCluster) -> None:
+    """Any node is enough as a seed: the client discovers the others."""
+    seed = cluster.servers[2]
+    store = RemoteStore(f"redis+cluster://127.0.0.1:{seed.port}", connect_timeout_s=0.5, timeout_s=1.0)
+    try:
+        keys = [skey(i) for i in range(60)]
+        assert store.put_many([(k, value(k), "uint8") for k in keys]) == 60
+        assert all(node_keys(cluster))
+        assert store.contains_many(keys) == [True] * 60
+    finally:
+        store.close()
+
+
+def test_a_plain_url_on_a_cluster_node_fails_softly(cluster: RedisCluster) -> None:
+    """``redis://`` pointed at a cluster node (a configuration mistake): keys of other nodes'
+    slots come back MOVED. Counted as errors and answered as misses; nothing raises."""
+    node = cluster.servers[0]
+    store = RemoteStore(f"redis://127.0.0.1:{node.port}", connect_timeout_s=0.5, timeout_s=1.0)
+    try:
+        keys = [skey(i) for i in range(30)]
+        assert store.put_many([(k, value(k), "uint8") for k in keys]) == 0
+        assert store.get_into(keys[0], np.zeros(SIZE, np.uint8)) in (None, SIZE)
+        st = store.stats()
+        assert st["errors"] >= 1 and st["put_failed"] == 30
+        assert st["unavailable"] == 0 and store.available  # the node answers: not an outage
+    finally:
+        store.close()
