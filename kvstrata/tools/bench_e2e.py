@@ -137,6 +137,7 @@ def smollm2(args: argparse.Namespace, say: Callable[[str], None]) -> Path:
 def stores_parent(store: Path | None, prefix: str) -> Iterator[Path]:
     """``--store`` when given, else a temporary directory removed afterwards."""
     if store is not None:
+        Path(store).mkdir(parents=True, exist_ok=True)
         yield Path(store)
         return
     tmp = Path(tempfile.mkdtemp(prefix=prefix))

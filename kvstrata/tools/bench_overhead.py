@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = smollm2(args, say)
     kinds = ["no_reuse", "mixed"] if args.workload == "both" else [args.workload]
+    if args.store is not None:
+        args.store.mkdir(parents=True, exist_ok=True)
     parent = Path(tempfile.mkdtemp(prefix="kvstrata-overhead-", dir=args.store))
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {k: {c: [] for c in args.configs} for k in kinds}
     try:

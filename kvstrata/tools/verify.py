@@ -177,7 +177,9 @@ def _check_writable(path: Path, found: Findings, free_bytes: int) -> None:
     fail while every read works): one value as large as the free pages (up to a cap) makes
     LMDB reuse them. The transaction is aborted: nothing is changed."""
     try:
-        env = lmdb.open(str(path), max_dbs=4, subdir=True, create=False)
+        # map_size only reserves address space (no writemap): lmdb.open's 10 MiB default would
+        # make the probe fail with MapFullError on any store larger than that.
+        env = lmdb.open(str(path), max_dbs=4, subdir=True, create=False, map_size=1 << 40)
     except lmdb.Error:
         return  # read-only file system or no write permission: not a sign of damage
     try:

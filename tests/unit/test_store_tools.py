@@ -168,6 +168,20 @@ def test_corrupt_byte_is_found_and_repair_drops_only_it(
     assert rc == 0 and r["status"] == "sound" and r["checked"] == len(records) - 1
 
 
+def test_verify_finds_a_store_larger_than_lmdbs_default_map_sound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The write probe opens the store itself: with lmdb.open's 10 MiB default map it failed with
+    MapFullError on every store past 10 MiB and reported a sound store as unwritable."""
+    path = tmp_path / "big"
+    rng = np.random.default_rng(7)
+    with DiskStore(path, budget_bytes=1 << 30) as store:
+        store.put_many([(_key(NS_A, i, 0), rng.bytes(1 << 20), "uint8") for i in range(14)])
+    assert (path / "data.mdb").stat().st_size > 12 << 20
+    rc, report, err = _cli(capsys, "verify", str(path))
+    assert rc == 0 and report["status"] == "sound", (report, err)
+
+
 def test_verify_finds_orphans_missing_payloads_and_bad_totals(
     store_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
