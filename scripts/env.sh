@@ -23,6 +23,21 @@ if [ -z "${KVSTRATA_VLLM_FLAVOUR:-}" ]; then
   fi
 fi
 
+# The shared tier's tests and `kvstrata bench remote` run real Redis servers: the Debian package,
+# installed here when missing (CI runs as root on a fresh machine). Outside the stamp check: a
+# machine whose .venv is current may still lack it.
+if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "kvstrata: installing redis-server for the shared tier's tests" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends redis-server >/dev/null; } ||
+      echo "kvstrata: could not install redis-server: the shared tier's tests will fail" >&2
+  else
+    echo "kvstrata: redis-server is missing and this is not root: install it (apt-get install" \
+         "redis-server) or the shared tier's tests fail" >&2
+  fi
+fi
 stamp_want="$(cat pyproject.toml scripts/env.sh | sha256sum | cut -c1-16)-$KVSTRATA_VLLM_FLAVOUR"
 stamp_file=.venv/.kvstrata-env
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_want" ] && [ -x .venv/bin/python ]; then

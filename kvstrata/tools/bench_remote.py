@@ -30,9 +30,7 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +44,14 @@ from typing import Any
 import numpy as np
 
 from kvstrata.tools.bench_disk import entropy_bound, synthetic_kv
+from kvstrata.tools.redis_local import (
+    RedisServer,
+    RedisUnavailable,
+    plain_client,
+    server_figures,
+    strlens,
+    value_bytes,
+)
 
 MB = 1e6
 DEFAULT_TOKENS = 4096
@@ -103,110 +109,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directory, removed afterwards)")
 
 
-# ---------------------------------------------------------------------------------------------
-# A redis-server of the benchmark's own
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def redis_server(maxmemory_mb: int, *, start_timeout_s: float = 15.0) -> Iterator[str]:
-    """Start ``redis-server`` (or ``valkey-server``) on a free local port, without persistence
-    and with ``allkeys-lru`` eviction; yield its ``remote_url``; stop it afterwards."""
-    import redis
-
-    from kvstrata.tools.cli import CLIError
-
-    binary = shutil.which("valkey-server") or shutil.which("redis-server")
-    if binary is None:
-        raise CLIError("no redis-server or valkey-server on PATH (Debian: apt-get install "
-                       "redis-server), or pass --remote-url")
-    workdir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-redis-"))
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-            "--save", "", "--appendonly", "no", "--maxmemory", f"{maxmemory_mb}mb",
-            "--maxmemory-policy", "allkeys-lru"]
-    log_path = workdir / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                if client.ping():
-                    break
-            except redis.RedisError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise CLIError(f"{binary} did not start on port {port}: "
-                               + log_path.read_text(errors="replace")[-500:])
-            time.sleep(0.05)
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def remote_server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """(url, how): ``--remote-url``, or a redis-server started here."""
-    if args.remote_url:
-        yield args.remote_url, "given (--remote-url)"
-        return
-    with redis_server(args.maxmemory_mb) as url:
-        yield url, f"started by the bench (maxmemory {args.maxmemory_mb}mb, allkeys-lru, no persistence)"
-
-
-def plain_client(url: str) -> Any:
-    """A synchronous redis-py client of a single server (the plain baseline)."""
-    import redis
-
+    """(url, how): ``--remote-url``, or a redis-server started here (no persistence,
+    ``allkeys-lru``), stopped afterwards."""
     from kvstrata.remote_address import parse_remote_url
     from kvstrata.tools.cli import CLIError
 
-    address = parse_remote_url(url)
-    if address.cluster:
-        raise CLIError("the load-rate baseline needs a single server, not a cluster URL")
-    host, port = address.nodes[0]
-    return redis.Redis(host=host, port=port, db=address.db, username=address.username,
-                       password=address.password, ssl=address.tls, socket_timeout=30)
-
-
-def server_figures(client: Any) -> dict[str, Any]:
-    info = client.info()
-    return {k: info.get(k) for k in ("redis_version", "valkey_version", "used_memory",
-                                     "maxmemory", "maxmemory_policy", "evicted_keys",
-                                     "io_threads_active") if k in info}
-
-
-def strlens(client: Any, keys: list[bytes]) -> list[int]:
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.strlen(key)
-    return list(pipe.execute()) if keys else []
-
-
-def value_bytes(client: Any, pattern: bytes) -> tuple[int, int, int]:
-    """(keys, sum of value lengths, sum of MEMORY USAGE) of the keys matching ``pattern``."""
-    keys = list(client.scan_iter(match=pattern, count=1000))
-    if not keys:
-        return 0, 0, 0
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.memory_usage(key, samples=0)
-    usage = pipe.execute()
-    return len(keys), sum(int(n or 0) for n in strlens(client, keys)), sum(int(n or 0) for n in usage)
+    if args.remote_url:
+        if parse_remote_url(args.remote_url).cluster:
+            raise CLIError("--remote-url: the plain-GET baseline needs a single server, not a cluster URL")
+        yield args.remote_url, "given (--remote-url)"
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-redis-"))
+    try:
+        try:
+            server = RedisServer(workdir, maxmemory_mb=args.maxmemory_mb)
+        except RedisUnavailable as exc:
+            raise CLIError(f"{exc} (or pass --remote-url)") from None
+        try:
+            yield server.url, f"started by the bench (maxmemory {args.maxmemory_mb}mb, allkeys-lru, no persistence)"
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,15 +57,6 @@ HUNG = _prompts(12, [1, 2, 128, 129, 257])
 HUNG_LATER = _prompts(13, [2, 130, 200])
 
 
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _remote_store_keys(server: RedisServer) -> set[bytes]:
     """Store keys (namespace + chunk key) of every ``kvstrata:<ns hex>:<chunk hex>`` value."""
     out = set()
@@ -83,10 +73,10 @@ def _check(refs: dict, step: dict, prompts: list[list[int]]) -> None:
 
 
 @pytest.mark.slow
-def test_a_chunk_of_one_engine_is_served_to_another_through_redis(tmp_path: Path, redis: RedisServer) -> None:
+def test_a_chunk_of_one_engine_is_served_to_another_through_redis(tmp_path: Path, redis_server: RedisServer) -> None:
     t0 = time.monotonic()
     model_dir = CASE.build(tmp_path / "model", 0)
-    remote = {"remote_url": redis.url}
+    remote = {"remote_url": redis_server.url}
     reference = {"engine": asdict(CASE.options(model_dir, None)), "steps": [
         reference_step("ref", SHARED + HUNG + HUNG_LATER, EQ_MAX_TOKENS)]}
     engine_a = {"engine": asdict(CASE.options(model_dir, tmp_path / "store_a", extra_config=remote)),
@@ -102,7 +92,7 @@ def test_a_chunk_of_one_engine_is_served_to_another_through_redis(tmp_path: Path
     model = str(model_dir)
     spaces = namespaces_of(tmp_path / "store_a", model)
     on_a_disk = store_keys(tmp_path / "store_a", spaces)
-    on_server = _remote_store_keys(redis)
+    on_server = _remote_store_keys(redis_server)
     assert on_a_disk and on_server == on_a_disk, (len(on_server), len(on_a_disk))
     a_metrics = a["a_cold"]["metrics"]
     assert metric(a["a_cold"], "kvstrata_hit_tokens") == 0, dump(a_metrics)
@@ -125,7 +115,7 @@ def test_a_chunk_of_one_engine_is_served_to_another_through_redis(tmp_path: Path
     def on_progress(msg: str) -> None:
         if "waiting for" in msg and str(hung) in msg and not hung.exists():
             assert b_served.exists()
-            redis.pause()
+            redis_server.pause()
             hung.touch()
 
     (b,) = (steps_by_name(r) for r in run_jobs_subprocess(

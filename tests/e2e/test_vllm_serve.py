@@ -25,7 +25,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,15 +139,6 @@ class Server:
         return took
 
 
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _smollm2() -> Path:
     try:
         return models.prepare_smollm2()
@@ -163,18 +153,18 @@ def _wait(cond: Any, what: str, deadline_s: float, step_s: float = 0.5) -> None:
         time.sleep(step_s)
 
 
-def _remote_keys(redis: RedisServer) -> int:
-    return sum(1 for _ in redis.client().scan_iter(match=KEY_PREFIX + b"*", count=1000))
+def _remote_keys(redis_server: RedisServer) -> int:
+    return sum(1 for _ in redis_server.client().scan_iter(match=KEY_PREFIX + b"*", count=1000))
 
 
 @pytest.mark.slow
-def test_two_api_servers_share_a_redis_tier(tmp_path: Path, redis: RedisServer) -> None:
+def test_two_api_servers_share_a_redis_tier(tmp_path: Path, redis_server: RedisServer) -> None:
     model = _smollm2()
     t0 = time.monotonic()
     servers: list[Server] = []
     try:
         for name in ("a", "b"):  # both start at once: each takes a minute or more here
-            servers.append(Server(name, model, tmp_path / f"store_{name}", redis.url,
+            servers.append(Server(name, model, tmp_path / f"store_{name}", redis_server.url,
                                   tmp_path / f"{name}.log"))
         a, b = servers
         _wait(lambda: all(s.healthy() for s in servers), "both servers' /health", START_DEADLINE_S, 1.0)
@@ -188,7 +178,7 @@ def test_two_api_servers_share_a_redis_tier(tmp_path: Path, redis: RedisServer) 
         # A's write-behind to the shared tier runs after the answer: wait for every complete
         # chunk of the prompt (plus its tail chunk, when it has one) on the server.
         want = n // BLOCK + (1 if n % BLOCK > 1 else 0)
-        _wait(lambda: _remote_keys(redis) >= want, f"{want} chunks of A's prompt on the server", 60.0, 0.2)
+        _wait(lambda: _remote_keys(redis_server) >= want, f"{want} chunks of A's prompt on the server", 60.0, 0.2)
 
         status, out_b = b.complete(prompt)
         assert status == 200, out_b
@@ -203,7 +193,7 @@ def test_two_api_servers_share_a_redis_tier(tmp_path: Path, redis: RedisServer) 
         # Redis dies. New prompts (nobody stored them) ask the shared tier first: both servers
         # still answer, and report the tier's failure (tier gauges are refreshed at most once a
         # second, with the next step's stats: ask until they show it).
-        redis.kill()
+        redis_server.kill()
         seen: dict[str, dict[str, float]] = {}
         for i in range(20):
             for s in servers:
