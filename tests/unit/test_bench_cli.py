@@ -3,6 +3,8 @@ minutes and print timings: they are run by hand, never as timed tests)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvstrata.tools.cli import build_parser, main
@@ -80,3 +82,15 @@ def test_bench_overhead_options_and_workloads() -> None:
 def test_bench_overhead_needs_the_baseline(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "overhead", "--configs", "default"])
+
+
+def test_bench_overhead_sizes_vllms_cache_below_the_shared_prefixes() -> None:
+    from kvstrata.tools.bench_overhead import KV_BYTES_PER_TOKEN, engine_options
+
+    args = build_parser().parse_args(["bench", "overhead", "--prompts", "10", "--prompt-tokens", "90",
+                                      "--max-tokens", "10"])
+    assert args.device_cache_batches == 0.5
+    opts = engine_options(Path("/m"), {}, Path("/s"), args)
+    assert opts.kv_cache_memory_bytes == 10 * 100 * KV_BYTES_PER_TOKEN // 2
+    with pytest.raises(SystemExit):
+        main(["bench", "overhead", "--device-cache-batches", "0"])
