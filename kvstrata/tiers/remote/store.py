@@ -159,13 +159,12 @@ class RemoteStore:
             return 0
         frames = [(self._rkey(key), codec.encode(data, dtype, key=key, level=self._level, mode=self._mode))
                   for key, data, dtype in entries]
-        done = self._call(rc.set_many(self._client, frames, self._ttl_ms), None)
-        stored = sum(done) if done else 0
-        if stored == len(entries):
-            raw = sum(memoryview(d).nbytes for _, d, _ in entries)
-            self._bump(puts=stored, put_bytes=sum(len(f) for _, f in frames), put_raw_bytes=raw)
-        else:
-            self._bump(puts=stored, put_failed=len(entries) - stored)
+        done = self._call(rc.set_many(self._client, frames, self._ttl_ms), None) or [False] * len(frames)
+        stored = sum(done)
+        # Bytes of the values the server took (all, or none when the call failed).
+        self._bump(puts=stored, put_failed=len(entries) - stored,
+                   put_bytes=sum(len(f) for (_, f), ok in zip(frames, done, strict=True) if ok),
+                   put_raw_bytes=sum(memoryview(d).nbytes for (_, d, _), ok in zip(entries, done, strict=True) if ok))
         return stored
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
