@@ -129,6 +129,10 @@ class StrataConfig:
     # Writing chunks down to the disk (compression, LMDB puts, syncs) runs at idle CPU priority
     # (tiers/priority.py), so it takes only cores serving leaves idle; "normal" does not lower it.
     background_priority: str = "idle"
+    # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and
+    # those its backpressure dropped while the host tier still holds them), so a restart finds
+    # them; it waits at most this long, then abandons the rest (logged). null: no bound.
+    shutdown_write_timeout_s: float | None = 60.0
     # The shared tier (tiers/remote): a Redis/Valkey server or cluster every engine of a
     # deployment reads and writes, behind the host tier and the local disk (if any). None: off.
     remote_url: str | None = None
@@ -337,6 +341,7 @@ _VALIDATORS = {
     "self_describing_kv_events": _bool,
     "warm_start_bytes": parse_size,
     "background_priority": _choice("idle", "normal"),
+    "shutdown_write_timeout_s": _optional_seconds,
     "remote_url": lambda k, v: _remote_url(k, v),
     "remote_connect_timeout_s": lambda k, v: _seconds(k, v),
     "remote_timeout_s": lambda k, v: _seconds(k, v),

@@ -186,6 +186,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
                 prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                 stream_loads=stream_loads,
                 events=kv_events,
+                shutdown_write_timeout_s=self.cfg.shutdown_write_timeout_s,
             )
             logger.info(
                 "kvstrata: store %s, host tier %d slots x %d bytes, groups %s",

@@ -112,8 +112,11 @@ class StrataScheduler:
     def __init__(
         self, plan: KVPlan, hierarchy: TierManager, *, offload_prompt_only: bool, prefix_caching: bool,
         stream_loads: bool = False, events: KVEvents | None = None,
+        shutdown_write_timeout_s: float | None = None,
     ):
         self.plan = plan
+        # How long shutdown() waits for the write-behind (StrataConfig.shutdown_write_timeout_s).
+        self.shutdown_write_timeout_s = shutdown_write_timeout_s
         # KV cache events (None: the engine publishes none); self-describing payloads need each
         # chunk's request, so store plans and lookup hits are recorded as they happen.
         self.events = events
@@ -855,4 +858,4 @@ class StrataScheduler:
         return out
 
     def shutdown(self) -> None:
-        self.hierarchy.close()
+        self.hierarchy.close(self.shutdown_write_timeout_s)

@@ -38,6 +38,9 @@ def test_values_are_converted() -> None:
     assert cfg.store_path == Path("~/x").expanduser()
     assert cfg.host_bytes == 2 << 30 and cfg.disk is False and cfg.admission == 1
     assert cfg.blocks_per_chunk == 4 and cfg.eviction == "arc" and cfg.max_age_s == 3600.0
+    assert StrataConfig().shutdown_write_timeout_s == 60.0
+    assert StrataConfig.from_extra_config({"shutdown_write_timeout_s": None}).shutdown_write_timeout_s is None
+    assert StrataConfig.from_extra_config({"shutdown_write_timeout_s": "2.5"}).shutdown_write_timeout_s == 2.5
 
 
 @pytest.mark.parametrize(
@@ -61,6 +64,8 @@ def test_values_are_converted() -> None:
         ({"eviction": "fifo"}, "eviction"),
         ({"io_threads": 0}, "io_threads"),
         ({"io_threads": "many"}, "io_threads.*auto"),
+        ({"shutdown_write_timeout_s": 0}, "shutdown_write_timeout_s"),
+        ({"shutdown_write_timeout_s": "soon"}, "shutdown_write_timeout_s"),
     ],
 )
 def test_bad_options_name_the_key(extra: dict, named: str) -> None:

@@ -298,17 +298,22 @@ class Hierarchy:
         out["tiers"] = tiers
         return out
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish every accepted write (deferred ones too), then stop the pipeline.
+    def close(self, timeout: float | None = None, *, flush_dropped: bool = True) -> bool:
+        """Finish every accepted write (deferred ones too) and, with ``flush_dropped``, write the
+        chunks backpressure dropped that the host tier still holds (so a restart finds what
+        this process held); then stop the pipeline.
 
-        Returns True when everything was written. ``timeout`` (seconds) bounds the wait for a
-        tier that stopped answering; writes still queued then are abandoned (logged). The pool's
-        slab and the lower tiers are not closed: they belong to the caller.
+        Returns True when everything was written. ``timeout`` (seconds) bounds the wait (a tier
+        that stopped answering, a large host tier on a slow disk); writes still queued then are
+        abandoned (logged). The pool's slab and the lower tiers are not closed: they belong to
+        the caller.
         """
         s = self._s
         with s.lock:
             if s.closed:
                 return True
+            if flush_dropped and (n := self._writes.flush_dropped()):
+                logger.info("kvstrata: writing %d chunk(s) the write-behind had dropped before closing", n)
             s.closed = True
             s.landed.notify_all()
         drained = True
@@ -320,7 +325,7 @@ class Hierarchy:
             done.result(timeout)
         except TimeoutError:
             drained = False
-            logger.warning("kvstrata: closing with disk write(s) unfinished after %.1fs", timeout)
+            logger.warning("kvstrata: closing with disk write(s) unfinished after %.1fs (abandoned)", timeout)
         self._pipe.stop(drained)
         return drained
 
@@ -454,6 +459,7 @@ class Hierarchy:
     def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
         for link in self._s.links:
             link.resident.discard(key)
+            link.dropped.discard(key)
         self._s.journal.add(TIER_HOST, True, [key])
 
     def _on_tier_removed(self, link: TierLink, store_keys: list[bytes]) -> None:

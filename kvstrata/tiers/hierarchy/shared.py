@@ -29,7 +29,7 @@ COUNTERS = (
     "stores_failed", "store_no_room", "store_unknown", "loads_prepared", "loads_streamed",
     "promotions_started", "promotions_completed", "promotions_failed", "promote_no_room",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
-    "writes_deferred", "writes_dropped", "write_bytes",
+    "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed",
 )
 
 
@@ -56,9 +56,12 @@ class TierLink:
     removed_while_queued: set[bytes] = field(default_factory=set)
     deferred: deque[bytes] = field(default_factory=deque)
     deferred_bytes: int = 0
+    # Host chunks whose write backpressure dropped, while they stay in the host tier: a clean
+    # shutdown writes them (``WriteBehind.flush_dropped``), so a restart still finds them.
+    dropped: set[bytes] = field(default_factory=set)
     inflight_bytes: int = 0
     writes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("completed", "failed", "dropped", "deferred", "bytes"), 0))
+        ("completed", "failed", "dropped", "deferred", "bytes", "flushed"), 0))
     # Threads of this tier's own (see Pipeline): a tier that stops answering holds up only
     # its own reads and writes.
     read_pool: ThreadPoolExecutor | None = None
