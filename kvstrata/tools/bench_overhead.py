@@ -13,6 +13,11 @@ round. Two workloads:
   blocks: the case kvstrata exists for. ``mixed_time_ratio`` (goal <= 0.7: the hits must pay for
   the stores); vLLM without a connector keeps its own prefix caching.
 
+A reference configuration, ``vllm_cache_all`` (not run unless named in ``--configs``), is vLLM
+alone with a KV cache large enough for every batch: its own prefix cache then serves every shared
+prefix from device memory, with no copy at all, which bounds what any cache can save on the same
+workload (``mixed_ideal_time_ratio``; ``mixed_share_of_ideal`` = kvstrata's saving / that one).
+
 The first batch of each engine is a warm-up and is left out of the medians. Per configuration
 also: the disk write rate reached (stored bytes per second of batch time), chunks served, and
 the CPU seconds each of the engine process's threads used per batch (where the time went).
@@ -44,7 +49,11 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "normal_priority": {"background_priority": "normal"},
     # Write a chunk to disk only once it was offered twice (Dynamo KVBM's default).
     "admission2": {"admission": 2},
+    # vLLM alone, its KV cache holding every batch of the run: the bound (see the docstring).
+    "vllm_cache_all": None,
 }
+REFERENCE = "vllm_cache_all"
+DEFAULT_CONFIGS = [c for c in CONFIGS if c != REFERENCE]
 VOCAB_LOW, VOCAB_HIGH = 100, 49000  # inside SmolLM2's vocabulary, clear of special tokens
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # SmolLM2-135M: layers x KV heads x head dim x K,V x bf16
 
@@ -58,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds, each running every configuration once (default %(default)s)")
     parser.add_argument("--workload", choices=("no_reuse", "mixed", "both"), default="both")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
-                        help=f"configurations to compare (default: {' '.join(CONFIGS)}; 'none' is vLLM alone)")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME",
+                        help=f"configurations to compare (default: {' '.join(DEFAULT_CONFIGS)}; 'none' is "
+                             f"vLLM alone; also {REFERENCE}: vLLM alone, its cache holding every batch)")
     parser.add_argument("--kvstrata-config", type=json_object, default={}, metavar="JSON",
                         help="options added to every kvstrata configuration")
     parser.add_argument("--store", type=Path, default=None,
@@ -91,9 +101,11 @@ def workload_batches(kind: str, args: argparse.Namespace) -> list[list[list[int]
     return batches
 
 
-def engine_options(model: Path, extra: dict[str, Any] | None, store: Path, args: argparse.Namespace) -> EngineOptions:
+def engine_options(model: Path, extra: dict[str, Any] | None, store: Path, args: argparse.Namespace,
+                   *, cache_all: bool = False) -> EngineOptions:
+    """``cache_all``: vLLM's KV cache holds every batch of the run (the reference)."""
     tokens = args.prompts * (args.prompt_tokens + args.max_tokens)
-    kv_bytes = int(tokens * KV_BYTES_PER_TOKEN * args.device_cache_batches)
+    kv_bytes = int(tokens * KV_BYTES_PER_TOKEN * (args.batches + 1 if cache_all else args.device_cache_batches))
     return EngineOptions(
         model=str(model), store=None if extra is None else str(store),
         extra_config={**args.kvstrata_config, **(extra or {})},
@@ -105,7 +117,8 @@ def _measure(name: str, model: Path, extra: dict[str, Any] | None, batches: list
              store: Path, args: argparse.Namespace) -> dict[str, Any]:
     steps = [{"op": "generate", "name": f"batch{i}", "prompts": b, "max_tokens": args.max_tokens}
              for i, b in enumerate(batches)]
-    result = run_job_subprocess({"engine": asdict(engine_options(model, extra, store, args)), "steps": steps},
+    opts = engine_options(model, extra, store, args, cache_all=name == REFERENCE)
+    result = run_job_subprocess({"engine": asdict(opts), "steps": steps},
                                 timeout_s=1800)
     timed = result["steps"][1:]
     stored = [s["metrics"].get("vllm:kvstrata_disk_stored_bytes") for s in result["steps"]]
@@ -192,6 +205,11 @@ def _report(runs: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Nam
         out[kind] = rows
         if "default" in rows:
             out[f"{kind}_time_ratio"] = rows["default"]["time_ratio"]
+        if REFERENCE in rows and kind == "mixed":
+            ideal = rows[REFERENCE]["time_ratio"]
+            out["mixed_ideal_time_ratio"] = ideal
+            if "default" in rows and ideal < 1:
+                out["mixed_share_of_ideal"] = round((1 - rows["default"]["time_ratio"]) / (1 - ideal), 3)
     out["goals"] = {k: {"goal": v, "value": out.get(k), "met": out.get(k) is not None and out[k] <= v}
                     for k, v in GOALS.items()}
     return out

@@ -69,6 +69,7 @@ def test_bench_overhead_options_and_workloads() -> None:
                                       "--batches", "3", "--workload", "mixed"])
     assert (args.prompts, args.prompt_tokens, args.batches, args.workload) == (6, 64, 3, "mixed")
     assert args.configs[0] == "none"
+    assert "vllm_cache_all" not in args.configs  # the reference runs only when named
     fresh = workload_batches("no_reuse", args)
     assert len(fresh) == 3 and all(len(b) == 6 and all(len(p) == 64 for p in b) for b in fresh)
     assert len({tuple(p[:8]) for b in fresh for p in b}) == 18  # nothing shared
@@ -92,5 +93,23 @@ def test_bench_overhead_sizes_vllms_cache_below_the_shared_prefixes() -> None:
     assert args.device_cache_batches == 0.5
     opts = engine_options(Path("/m"), {}, Path("/s"), args)
     assert opts.kv_cache_memory_bytes == 10 * 100 * KV_BYTES_PER_TOKEN // 2
+    # The reference: vLLM alone, its cache holding every batch of the run (3 by default) and more.
+    reference = engine_options(Path("/m"), None, Path("/s"), args, cache_all=True)
+    assert reference.store is None and reference.kv_cache_memory_bytes == 10 * 100 * KV_BYTES_PER_TOKEN * 4
     with pytest.raises(SystemExit):
         main(["bench", "overhead", "--device-cache-batches", "0"])
+
+
+def test_bench_overhead_reports_kvstratas_saving_against_the_reference() -> None:
+    from kvstrata.tools.bench_overhead import _report
+
+    def rows(*batch_s: float) -> list[dict]:
+        return [{"batch_s": list(batch_s), "hit_tokens": 0, "vllm_prefix_hits": 0, "disk_write_MBps": 0.0,
+                 "chunks_written": 0, "chunks_dropped": 0, "thread_cpu_s_per_batch": {},
+                 "io_bytes_per_batch": {}}]
+    args = build_parser().parse_args(["bench", "overhead"])
+    out = _report({"mixed": {"none": rows(10.0, 10.0), "default": rows(7.0, 7.0),
+                             "vllm_cache_all": rows(6.0, 6.0)}}, args)
+    assert out["mixed_time_ratio"] == 0.7 and out["mixed_ideal_time_ratio"] == 0.6
+    assert out["mixed_share_of_ideal"] == 0.75  # 30 % saved of the 40 % any cache could save
+    assert out["goals"]["mixed_time_ratio"]["met"] is True
