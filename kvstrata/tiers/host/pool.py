@@ -1,0 +1,210 @@
+"""The host pool: the scheduler-side index over a host slab's slots.
+
+``HostPool`` maps key -> slot, with reference counts and an eviction policy (``policy.LRU`` or
+``policy.ARC``). It never allocates buffers: slots are preallocated in the slab, a store only
+picks one.
+
+The pool is not thread-safe on its own; ``Hierarchy`` serialises access with its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence, Set
+from typing import TYPE_CHECKING, Literal
+
+from kvstrata.tiers.host.policy import ARC, LRU, Entry, evictable
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.host.slab import HostSlab
+
+
+class HostPool:
+    """Index over a slab's slots: key -> slot, with reference counts and LRU/ARC eviction.
+
+    Life of an entry: ``allocate`` (not ready, one reference held by the writer) -> ``mark_ready``
+    + ``release`` (the data is in the slot) -> ``acquire``/``release`` around every reader
+    (device load, disk write-behind) -> eviction once ready and unreferenced. An entry with
+    references, or not ready, is never evicted, so its slot is never handed out again while a
+    transfer uses it. ``discard`` drops an entry whose write failed.
+    """
+
+    # lookup_many states
+    ABSENT = 0
+    READY = 1
+    NOT_READY = 2
+
+    def __init__(
+        self,
+        slab: HostSlab | None = None,
+        policy: Literal["lru", "arc"] = "lru",
+        *,
+        num_slots: int | None = None,
+        on_evict: Callable[[bytes], None] | None = None,
+    ) -> None:
+        if num_slots is None:
+            if slab is None:
+                raise ValueError("HostPool needs a slab or num_slots")
+            num_slots = slab.num_slots
+        if policy not in ("lru", "arc"):
+            raise ValueError(f"unknown eviction policy {policy!r} (expected 'lru' or 'arc')")
+        self.slab = slab
+        self.num_slots = num_slots
+        self.policy_name = policy
+        self._policy: LRU | ARC = LRU(num_slots) if policy == "lru" else ARC(num_slots)
+        # Stack of free slots, lowest first out: a fresh pool fills the slab front to back.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.on_evict = on_evict
+        self.evictions = 0
+        self._referenced = 0  # entries with refs > 0 (kept incrementally for stats())
+        self._not_ready = 0
+
+    @staticmethod
+    def slots_for_budget(budget_bytes: int, slot_bytes: int) -> int:
+        """How many whole slots fit in a byte budget (at least one)."""
+        if slot_bytes <= 0:
+            raise ValueError("slot_bytes must be > 0")
+        return max(1, int(budget_bytes) // int(slot_bytes))
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._policy)
+
+    def __contains__(self, key: bytes) -> bool:
+        return self._policy.get(key) is not None
+
+    def lookup_many(self, keys: Sequence[bytes], touch: bool = True) -> list[int]:
+        """ABSENT / READY / NOT_READY per key; ``touch`` records an access on READY ones."""
+        get = self._policy.get
+        entries = [get(key) for key in keys]
+        out = [0 if e is None else 1 if e.ready else 2 for e in entries]
+        if touch:
+            touch_fn = self._policy.touch
+            for key, state in zip(keys, out, strict=True):
+                if state == 1:
+                    touch_fn(key)
+        return out
+
+    def get(self, key: bytes) -> tuple[int, bool] | None:
+        """``(slot, ready)`` or None; does not count as an access."""
+        entry = self._policy.get(key)
+        return None if entry is None else (entry.slot, entry.ready)
+
+    def is_ready(self, key: bytes) -> bool:
+        entry = self._policy.get(key)
+        return entry is not None and entry.ready
+
+    def refs(self, key: bytes) -> int:
+        entry = self._policy.get(key)
+        return 0 if entry is None else entry.refs
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def keys(self) -> list[bytes]:
+        return [key for key, _ in self._policy]
+
+    # ---- updates -------------------------------------------------------------------------------
+
+    def touch(self, key: bytes) -> None:
+        """Record an access (a lookup hit or a load)."""
+        if self._policy.get(key) is not None:
+            self._policy.touch(key)
+
+    def allocate(
+        self, keys: Sequence[bytes], protected: Set[bytes] = frozenset()
+    ) -> list[int] | None:
+        """Slots for absent ``keys``, all or none; evicts idle chunks not in ``protected``.
+
+        The new entries are not ready and hold one reference each (the writer's).
+        """
+        for key in keys:
+            if self._policy.get(key) is not None:
+                raise KeyError(f"chunk {key.hex()} is already in the host pool")
+        if len(set(keys)) != len(keys):
+            raise ValueError("duplicate keys in one allocation")
+        need = len(keys) - len(self._free)
+        if need > 0:
+            victims = self._policy.victims(need, protected)
+            if victims is None:
+                return None
+            for key in victims:
+                self._evict(key)
+        slots = []
+        for key in keys:
+            entry = Entry(self._free.pop())
+            self._policy.insert(key, entry)
+            slots.append(entry.slot)
+        self._referenced += len(keys)
+        self._not_ready += len(keys)
+        return slots
+
+    def mark_ready(self, key: bytes) -> None:
+        entry = self._entry(key)
+        if not entry.ready:
+            entry.ready = True
+            self._not_ready -= 1
+
+    def acquire(self, key: bytes) -> int:
+        """Take a reference; returns the slot."""
+        entry = self._entry(key)
+        if entry.refs == 0:
+            self._referenced += 1
+        entry.refs += 1
+        return entry.slot
+
+    def release(self, key: bytes) -> None:
+        entry = self._entry(key)
+        if entry.refs <= 0:
+            raise RuntimeError(f"chunk {key.hex()} released more often than acquired")
+        entry.refs -= 1
+        if entry.refs == 0:
+            self._referenced -= 1
+
+    def discard(self, key: bytes) -> bool:
+        """Drop an entry whatever its state (a failed write); its slot becomes free."""
+        entry = self._policy.remove(key)
+        if entry is None:
+            return False
+        self._referenced -= entry.refs > 0
+        self._not_ready -= not entry.ready
+        self._free.append(entry.slot)
+        return True
+
+    def evict_idle(self) -> int:
+        """Evict every ready, unreferenced entry (prefix-cache reset). Returns how many."""
+        victims = [key for key, entry in self._policy if evictable(entry)]
+        for key in victims:
+            self._evict(key)
+        return len(victims)
+
+    def _evict(self, key: bytes) -> None:
+        policy = self._policy
+        from_t1 = isinstance(policy, ARC) and key in policy.t1
+        entry = policy.remove(key)
+        assert entry is not None and evictable(entry)
+        if isinstance(policy, ARC):
+            policy.evicted(key, from_t1)
+        self._free.append(entry.slot)
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
+
+    def _entry(self, key: bytes) -> Entry:
+        entry = self._policy.get(key)
+        if entry is None:
+            raise KeyError(f"chunk {key.hex()} is not in the host pool")
+        return entry
+
+    def stats(self) -> dict[str, int | str]:
+        """O(1): the connector may ask every step."""
+        return {
+            "policy": self.policy_name,
+            "slots": self.num_slots,
+            "used": len(self._policy),
+            "free": len(self._free),
+            "referenced": self._referenced,
+            "not_ready": self._not_ready,
+            "evictions": self.evictions,
+        }
