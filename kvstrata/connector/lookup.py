@@ -1,0 +1,258 @@
+"""Scheduler side, lookup and load: what a request's prefix hits in kvstrata's tiers, which tier
+each hit came from (vLLM's per-source hit figures), and the load job that brings it to the device.
+
+``LookupMixin`` is one half of ``StrataScheduler`` (``connector/scheduler.py``), which holds the
+state it reads and writes and the helpers it calls (``_refresh_keys``, ``_prompt_tail_keys``,
+``_geom``, ``_new_job``). What is servable comes from the pure ``semantics`` module; where chunks
+live, from the tier ``Hierarchy``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import Request
+
+from kvstrata import semantics
+from kvstrata.connector.events import KVEvents
+from kvstrata.connector.metadata import ChunkCopy, TransferJob
+from kvstrata.connector.request_state import Job, RequestState
+from kvstrata.connector.stats import StrataStats
+from kvstrata.presence import Presence
+from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE, chunk_group
+from kvstrata.tiers.manager import TierManager
+
+# Where vLLM's per-source hit figures put each lower tier; the farther tier wins a token range
+# loaded from chunks of several tiers. vLLM has no "remote" source: a remote store is
+# EXTERNAL_UNSPECIFIED in its enum (vllm/v1/metrics/cache_hit_source.py).
+_HIT_SOURCE = {TIER_DISK: CacheHitSource.DISK, TIER_REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
+_TIER_RANK = {TIER_DISK: 1, TIER_REMOTE: 2}
+
+
+class LookupMixin:
+    """Lookups (``get_num_new_matched_tokens``) and the load plan after vLLM allocated the hit's
+    blocks (``update_state_after_alloc``)."""
+
+    # The scheduler's state this half uses (set in StrataScheduler.__init__).
+    layout: semantics.Layout
+    hierarchy: TierManager
+    events: KVEvents | None
+    stats: StrataStats
+    stream_loads: bool
+    _reqs: dict[str, RequestState]
+    _jobs: dict[int, Job]
+    _loads: list[TransferJob]
+    _streaming: set[int]
+    _allocated: set[int]
+    _being_loaded: set[bytes] | None
+    _awaiting: set[str]
+
+    # ------------------------------------------------------------------ lookup
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int, max_num_new_tokens: int | None = None
+    ) -> tuple[int | None, bool]:
+        st = self._reqs[request.request_id]
+        for gs in st.groups.values():
+            gs.block_ids.clear()
+        if st.jobs:  # R15: a preempted request's stores are still in flight
+            return None, False
+        self._refresh_keys(st)
+        st.num_local = num_computed_tokens
+        if request.skip_reading_prefix_cache:
+            return 0, False
+        if st.lookup_started is None:
+            st.lookup_started = time.monotonic()
+        if st.awaiting and self.hierarchy.in_flight(st.awaiting):
+            self.stats.lookup_deferrals += 1
+            return None, False
+        pending: list[bytes] = []
+        # Chunks this lookup answered HIT so far: a later probe of the same lookup (another
+        # group, a tail) must not evict them to make room for a promotion.
+        answered: set[bytes] = set()
+
+        def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
+            keys = list(keys)
+            answers = list(self.hierarchy.lookup_many(
+                keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered))
+            answered.update(k for k, a in zip(keys, answers, strict=True) if a is Presence.HIT)
+            pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
+            if self.events is not None and self.events.self_describing:
+                self._record_lookup_hits(st, keys, answers)
+            return answers
+
+        def probe_prefix(keys: Iterable[bytes]) -> list[Presence]:
+            return probe(keys, prefix=True)
+
+        hit = semantics.lookup_hit(
+            self.layout,
+            num_tokens=request.num_tokens,
+            local_computed=num_computed_tokens,
+            keys={g: gs.keys for g, gs in st.groups.items()},
+            probe=probe,
+            max_new_tokens=max_num_new_tokens,
+            max_load_tokens=st.max_load_tokens,
+            being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
+            probe_prefix=probe_prefix,
+        )
+        hit, st.partial_boundary = semantics.partial_tail_hit(
+            self.layout,
+            complete_hit=hit,
+            num_prompt_tokens=request.num_prompt_tokens,
+            local_computed=num_computed_tokens,
+            block_hashes=request.block_hashes,
+            probe=probe,
+            max_new_tokens=max_num_new_tokens,
+            max_load_tokens=st.max_load_tokens,
+            keys={g: gs.keys for g, gs in st.groups.items()},
+            being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
+            probe_prefix=probe_prefix,
+        )
+        complete = hit
+        hit = semantics.prompt_tail_hit(
+            self.layout,
+            complete_hit=complete,
+            num_tokens=request.num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            local_computed=num_computed_tokens,
+            tail_keys=self._prompt_tail_keys(st),
+            probe=probe,
+            max_new_tokens=max_num_new_tokens,
+            max_load_tokens=st.max_load_tokens,
+            being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
+        )
+        st.prompt_tail_hit = hit is not None and complete is not None and hit > complete
+        self.stats.lookups += 1
+        if hit is None:
+            self.stats.lookup_deferrals += 1
+            st.awaiting = pending
+            self._awaiting.add(request.request_id)
+            return None, False
+        st.awaiting = []
+        self._awaiting.discard(request.request_id)
+        self.stats.observe_lookup_delay(time.monotonic() - st.lookup_started)
+        st.lookup_started = None
+        return hit, hit > 0
+
+    def _record_lookup_hits(self, st: RequestState, keys: list[bytes], answers: list[Presence]) -> None:
+        """Snapshot the request for every chunk of a full-attention group a lookup found, so its
+        promotion and later removals are published with their tokens (KV events)."""
+        assert self.events is not None
+        for key, answer in zip(keys, answers, strict=True):
+            if answer is Presence.HIT or answer is Presence.PENDING:
+                group = chunk_group(key)  # probed keys are always of the layout's groups
+                index = st.groups[group].chunk_of.get(key)
+                if index is not None:
+                    self.events.record_lookup(st.req, group, index, key)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external: int) -> dict[CacheHitSource, int]:
+        st = self._reqs.get(request.request_id)
+        return dict(st.hit_sources) if st is not None and num_external else {}
+
+    def _attribute_hit(self, st: RequestState, num_external: int) -> dict[str, int]:
+        """Tokens per tier: a token range loaded from chunks promoted for this request counts
+        for the farthest tier one of them came from, anything else for the host tier. Sets
+        vLLM's per-source figures; returns the lower tiers' tokens by tier name (counted in our
+        stats once the load succeeded: a streamed load may still fail)."""
+        start, end = st.num_local, st.num_local + num_external
+        source: dict[tuple[int, int], str] = {}
+        for lo, hi, key in st.load_keys:
+            lo, hi = max(lo, start), min(hi, end)
+            tier = st.promoted.get(key)
+            if lo < hi and tier is not None:
+                known = source.get((lo, hi))
+                if known is None or _TIER_RANK.get(tier, 0) > _TIER_RANK.get(known, 0):
+                    source[(lo, hi)] = tier
+        lower: dict[str, int] = {}
+        budget = num_external
+        for (lo, hi), tier in source.items():
+            n = min(hi - lo, budget)
+            budget -= n
+            if n:
+                lower[tier] = lower.get(tier, 0) + n
+        st.hit_sources = {}
+        for tier, n in lower.items():
+            src = _HIT_SOURCE.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            st.hit_sources[src] = st.hit_sources.get(src, 0) + n
+        if budget:
+            st.hit_sources[CacheHitSource.HOST] = budget
+        return lower
+
+    # -------------------------------------------------------------------- load
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if num_external == 0:
+            return
+        st = self._reqs[request.request_id]
+        cached = st.num_local + num_external
+        block_ids: dict[int, list[int]] = {}
+        load_start: dict[int, int] = {}
+        for geom in self.layout.groups:
+            group_blocks = blocks.blocks[geom.index]
+            self._allocated.update(b.block_id for b in group_blocks if b.block_id != 0)
+            n_gpu = -(-cached // geom.tokens_per_block)
+            first_fresh = -(-st.num_local // geom.tokens_per_block)
+            # Scan from the local boundary: sparse groups (Mamba, SW) legitimately hold non-null
+            # unhashed blocks below it; nulls are skipped positions (R35).
+            start = n_gpu
+            for i in range(first_fresh, n_gpu):
+                b = group_blocks[i]
+                if not b.is_null and b.block_hash is None:
+                    start = i
+                    break
+            load_start[geom.index] = start
+            block_ids[geom.index] = [b.block_id for b in group_blocks[:n_gpu]]
+        tail_keys = None
+        boundary, st.partial_boundary = st.partial_boundary, None
+        tail_start = semantics.prompt_tail_start(self.layout, request.num_prompt_tokens)
+        if st.prompt_tail_hit and tail_start is not None and cached > tail_start:
+            tail_keys = st.prompt_tail_keys
+        elif boundary is not None:
+            if boundary != cached:
+                raise RuntimeError(
+                    f"request {request.request_id}: vLLM allocated {cached} cached tokens for a "
+                    f"hit ending at the partial-tail boundary {boundary}")
+            tail_keys = {
+                g.index: semantics.boundary_key(request.block_hashes, boundary, g) for g in self.layout.groups
+            }
+        transfers = semantics.plan_load(
+            self.layout,
+            local_computed=st.num_local,
+            hit_tokens=num_external,
+            block_ids=block_ids,
+            load_start_block=load_start,
+            keys={g: gs.keys for g, gs in st.groups.items()},
+            tail_keys=tail_keys,
+        )
+        keys = [t.key for t in transfers]
+        if self.stream_loads:
+            placed = self.hierarchy.prepare_streamed_load(keys)
+        else:
+            placed = [(slot, 0) for slot in self.hierarchy.prepare_load(keys)]
+        copies = [
+            ChunkCopy(t.group, slot, t.first_block_in_chunk, tuple(t.block_ids), ticket)
+            for t, (slot, ticket) in zip(transfers, placed, strict=True)
+        ]
+        st.load_keys = [
+            (t.chunk_index * g.tokens_per_chunk, min(cached, (t.chunk_index + 1) * g.tokens_per_chunk), t.key)
+            for t in transfers
+            for g in (self._geom(t.group),)
+        ]
+        lower_tokens = self._attribute_hit(st, num_external)
+        # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32). A hit
+        # ending in a tail (the prompt's, or a partial one) loaded that chunk under its tail key:
+        # its full key is still to be stored once decoding completes it.
+        for geom in self.layout.groups:
+            tpc = geom.tokens_per_chunk
+            covered = cached // tpc if tail_keys is not None else -(-cached // tpc)
+            st.groups[geom.index].next_stored_chunk = covered
+        job_id = self._new_job(st, is_store=False, keys=keys)
+        self._jobs[job_id].hit = (num_external, lower_tokens)
+        self._loads.append(TransferJob(job_id, request.request_id, False, copies))
+        if any(c.ticket > 0 for c in copies):
+            self._streaming.add(job_id)
+            self.stats.streamed_loads += 1
+        if self._being_loaded is not None:
+            self._being_loaded.update(keys)
+        self.stats.load_jobs += 1

@@ -1,0 +1,76 @@
+"""The scheduler's per-request bookkeeping: a request's chunk keys and block ids per group, its
+lookup's findings, and the jobs in flight for it (``StrataScheduler`` and its lookup and store
+halves share these records).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupState:
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    next_stored_chunk: int = 0
+    # key -> chunk index, kept only for self-describing KV events
+    chunk_of: dict[bytes, int] = field(default_factory=dict)
+
+
+@dataclass
+class RequestState:
+    req: Request
+    groups: dict[int, GroupState]
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
+    num_local: int = 0
+    jobs: set[int] = field(default_factory=set)
+    finished_signaled: bool = False
+    # keys a lookup of this request found only in a lower tier (promoted), with that tier's
+    # name: for per-tier hit attribution
+    promoted: dict[bytes, str] = field(default_factory=dict)
+    load_keys: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, key)
+    lookup_started: float | None = None
+    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)
+    # Chunks the last (deferred) lookup found still on their way into the host tier: until one
+    # of them lands, the same lookup would defer again, so it is not re-run.
+    awaiting: list[bytes] = field(default_factory=list)
+    # Where the last lookup's hit ends inside a block (a partial tail, R30), for the load plan.
+    partial_boundary: int | None = None
+    # The prompt's tail keys per group (semantics.prompt_tail), hashed once on first use; and
+    # whether the last lookup's hit includes the tail.
+    prompt_tail_keys: dict[int, bytes] | None = None
+    prompt_tail_hashed: bool = False
+    prompt_tail_hit: bool = False
+
+
+@dataclass
+class Job:
+    req_id: str
+    is_store: bool
+    keys: list[bytes]
+    pending: int
+    fenced: list[int] = field(default_factory=list)
+    deferred_fence: list[int] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.monotonic)
+    # loads: (tokens, of which promoted from each lower tier), counted on success
+    hit: tuple[int, dict[str, int]] = field(default_factory=lambda: (0, {}))
+    failed: bool = False  # some worker reported it failed (the others may report later)
+
+
+def request_cap(req: Request, name: str) -> int | None:
+    params = req.kv_transfer_params
+    raw = params.get(name) if params else None
+    if raw is None:
+        return None
+    if type(raw) is int and raw >= 0:
+        return raw
+    logger.warning("kvstrata: kv_transfer_params[%r] must be a non-negative int, got %r; ignoring", name, raw)
+    return None
