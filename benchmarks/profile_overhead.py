@@ -21,6 +21,10 @@ py-spy comes with the ``test`` extra (``scripts/env.sh`` installs it). Sampling 
 Hz costs less): read the attributions, and compare batch times only between runs of this
 profiler, never with the bench's.
 
+The workload options are the bench's (``--prompts``, ``--prompt-tokens``, ``--batches``,
+``--device-cache-batches``, ``--kvstrata-config``, ``--store`` ...); ``--configs`` and ``--rounds``
+do not apply (one engine, one configuration).
+
     .venv/bin/python -m benchmarks.profile_overhead --workload mixed --config default
     .venv/bin/python -m benchmarks.profile_overhead --workload mixed --config none
 """
@@ -194,7 +198,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"profile_overhead: --config must be one of {list(bench_overhead.CONFIGS)}")
     model = smollm2(args, say)
     batches = bench_overhead.workload_batches(args.workload, args)
-    work = Path(tempfile.mkdtemp(prefix="kvstrata-profile-overhead-"))
+    if args.store is not None:
+        args.store.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvstrata-profile-overhead-", dir=args.store))
     try:
         opts = bench_overhead.engine_options(
             model, bench_overhead.CONFIGS[args.config], work / "store", args,
