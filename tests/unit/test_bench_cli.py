@@ -108,8 +108,11 @@ def test_bench_overhead_reports_kvstratas_saving_against_the_reference() -> None
                  "chunks_written": 0, "chunks_dropped": 0, "thread_cpu_s_per_batch": {},
                  "io_bytes_per_batch": {}}]
     args = build_parser().parse_args(["bench", "overhead"])
-    out = _report({"mixed": {"none": rows(10.0, 10.0), "default": rows(7.0, 7.0),
+    out = _report({"no_reuse": {"none": rows(10.0, 10.0), "default": rows(10.4, 10.4),
+                                "vllm_cache_all": rows(9.8, 9.8)},
+                   "mixed": {"none": rows(10.0, 10.0), "default": rows(7.0, 7.0),
                              "vllm_cache_all": rows(6.0, 6.0)}}, args)
+    assert out["no_reuse_ideal_time_ratio"] == 0.98  # what the reference's larger cache alone gives
     assert out["mixed_time_ratio"] == 0.7 and out["mixed_ideal_time_ratio"] == 0.6
     assert out["mixed_share_of_ideal"] == 0.75  # 30 % saved of the 40 % any cache could save
     assert out["goals"]["mixed_time_ratio"]["met"] is True
