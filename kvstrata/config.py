@@ -140,6 +140,10 @@ class StrataConfig:
     # the tier is skipped (misses) until a probe every remote_probe_interval_s finds it again.
     remote_connect_timeout_s: float = 0.2
     remote_timeout_s: float = 0.25
+    # Writes (one chunk each, behind serving) may take longer: a large chunk over a slow link,
+    # a server pausing for its own snapshot fork. Only a write slower than this opens the
+    # breaker (tiers/remote/store.py).
+    remote_write_timeout_s: float = 2.0
     remote_probe_interval_s: float = 1.0
     remote_max_connections: int = 16
     # Offers (stores, host hits) before a chunk is written to the shared tier ("all" = 1).
@@ -345,6 +349,7 @@ _VALIDATORS = {
     "remote_url": lambda k, v: _remote_url(k, v),
     "remote_connect_timeout_s": lambda k, v: _seconds(k, v),
     "remote_timeout_s": lambda k, v: _seconds(k, v),
+    "remote_write_timeout_s": lambda k, v: _seconds(k, v),
     "remote_probe_interval_s": lambda k, v: _seconds(k, v),
     "remote_max_connections": _int_range(1, 1024),
     "remote_admission": _admission,

@@ -103,7 +103,8 @@ def build_hierarchy(
         else:
             remote = RemoteStore(
                 cfg.remote_url, connect_timeout_s=cfg.remote_connect_timeout_s,
-                timeout_s=cfg.remote_timeout_s, max_connections=cfg.remote_max_connections,
+                timeout_s=cfg.remote_timeout_s, write_timeout_s=cfg.remote_write_timeout_s,
+                max_connections=cfg.remote_max_connections,
                 probe_interval_s=cfg.remote_probe_interval_s, ttl_s=cfg.remote_ttl_s,
                 codec=cfg.codec, level=cfg.zstd_level)
     # (tier, admission, backpressure, write bytes in flight): the disk defers writes it cannot

@@ -162,7 +162,7 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
     plain = plain_client(url)
     # Timeouts far above the serving defaults: a busy 2-core machine must not turn into misses.
     store = RemoteStore(url, codec=args.codec, level=args.level, connect_timeout_s=5.0,
-                        timeout_s=30.0, max_connections=max(16, threads))
+                        timeout_s=30.0, write_timeout_s=30.0, max_connections=max(16, threads))
     sink = np.empty(total, dtype=np.uint8)
     outs = [memoryview(sink[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
     pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-remote-read")

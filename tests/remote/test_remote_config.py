@@ -95,7 +95,8 @@ BAD_SECONDS = [0, -1, "0", "-0.5", "soon", "1s", "nan", "inf", float("nan"), flo
                True, [1], "1e-400"]
 
 
-@pytest.mark.parametrize("key", ["remote_timeout_s", "remote_connect_timeout_s", "remote_probe_interval_s"])
+@pytest.mark.parametrize("key", ["remote_timeout_s", "remote_connect_timeout_s", "remote_write_timeout_s",
+                                 "remote_probe_interval_s"])
 @pytest.mark.parametrize("value", [*BAD_SECONDS, None])
 def test_bad_remote_seconds_are_refused_naming_the_key(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"kvstrata option '{key}': expected a positive finite number of seconds"):
@@ -151,18 +152,19 @@ def test_remote_defaults_and_conversions() -> None:
     assert cfg.remote_url is None and cfg.remote_ttl_s is None  # off unless configured
     # Every default passes its own validation (the numbers themselves are tuned elsewhere).
     remote = {f: getattr(cfg, f) for f in vars(cfg) if f.startswith("remote_")}
-    assert {"remote_url", "remote_timeout_s", "remote_connect_timeout_s", "remote_probe_interval_s",
+    assert {"remote_url", "remote_timeout_s", "remote_connect_timeout_s", "remote_write_timeout_s",
+            "remote_probe_interval_s",
             "remote_max_connections", "remote_admission", "remote_write_backlog_bytes",
             "remote_ttl_s"} <= set(remote)
     assert StrataConfig.from_extra_config(remote) == cfg
     cfg = StrataConfig.from_extra_config({
         "remote_url": "valkey://cache:7000/2", "remote_timeout_s": "0.5", "remote_connect_timeout_s": 1,
         "remote_probe_interval_s": ".25", "remote_max_connections": "32", "remote_admission": "all",
-        "remote_write_backlog_bytes": "16MiB", "remote_ttl_s": "3600",
+        "remote_write_backlog_bytes": "16MiB", "remote_ttl_s": "3600", "remote_write_timeout_s": "7.5",
     })
     assert cfg.remote_url == "valkey://cache:7000/2"
     assert (cfg.remote_timeout_s, cfg.remote_connect_timeout_s, cfg.remote_probe_interval_s) == (0.5, 1.0, 0.25)
-    assert (cfg.remote_max_connections, cfg.remote_admission) == (32, 1)
+    assert (cfg.remote_max_connections, cfg.remote_admission, cfg.remote_write_timeout_s) == (32, 1, 7.5)
     assert (cfg.remote_write_backlog_bytes, cfg.remote_ttl_s) == (16 << 20, 3600.0)
     assert StrataConfig.from_extra_config({"remote_admission": 3}).remote_admission == 3
     assert StrataConfig.from_extra_config({"remote_url": None, "remote_ttl_s": None}).remote_url is None

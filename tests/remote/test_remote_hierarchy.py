@@ -296,3 +296,30 @@ def test_writes_the_server_cannot_take_are_dropped_and_hold_no_slot(engines, red
     assert plain.dbsize() == 0  # dropped, not deferred: those chunks never reach the server
     a.put([key(10)])
     eventually(lambda: on_server(plain, a.ns, key(10)), "a new chunk on the server")
+
+
+def test_writes_that_failed_while_the_server_hung_are_written_at_a_clean_shutdown(
+        engines, redis_server: RedisServer, plain: redis.Redis) -> None:
+    """A hung server fails the writes of what an engine stores meanwhile (by their timeout, or
+    at once once the breaker is open). Those the host tier still holds when the engine shuts
+    down cleanly, the server back, reach the server then: the next engine finds them."""
+    a = engines("a", disk=False, slots=8,
+                remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=0.25))
+    keys = [key(i) for i in range(4)]
+    redis_server.pause()
+    try:
+        a.put(keys)
+        eventually(lambda: a.tier("remote")["writes_failed"] == 4, "the writes to fail")
+        assert not a.remote.available
+    finally:
+        redis_server.resume()
+    eventually(lambda: a.remote.available, "the probe to find the server", 10)
+    assert plain.dbsize() == 0
+    assert a.h.close()
+    st = a.h.stats()
+    assert (st["writes_failed"], st["writes_flushed"], st["writes_completed"]) == (4, 4, 4)
+    assert all(on_server(plain, a.ns, k) for k in keys)
+    b = engines("b", disk=False)
+    assert b.h.lookup_many(keys) == [PENDING] * 4
+    eventually(lambda: b.h.lookup_many(keys) == [HIT] * 4, "B's promotions from the server")
+    b.check_bytes(keys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -49,7 +50,7 @@ def tensor(dtype: str, seed: int, n: int = ELEMS) -> np.ndarray:
 
 def make_store(server: RedisServer, **kw) -> RemoteStore:
     # Timeouts generous for a loaded CI machine; failures are what test_remote_failures is about.
-    opts = dict(connect_timeout_s=1.0, timeout_s=3.0, probe_interval_s=0.2)
+    opts = dict(connect_timeout_s=1.0, timeout_s=3.0, write_timeout_s=3.0, probe_interval_s=0.2)
     opts.update(kw)
     return RemoteStore(server.url, **opts)
 
@@ -365,6 +366,32 @@ def test_a_server_refusing_writes_fails_them_and_stays_available(store: RemoteSt
         plain.config_set("maxmemory", 64 << 20)
         plain.config_set("maxmemory-policy", "allkeys-lru")
     assert store.put_many([(skey(2), d, "uint8")]) == 1
+
+
+def test_a_write_outlasts_a_stall_that_fails_a_lookup(redis_server: RedisServer, plain: redis.Redis) -> None:
+    """A server that stalls longer than a lookup may wait (its own fork for a snapshot, a large
+    value on a slow link, a loaded host): a write, behind serving, has a deadline of its own and
+    lands, with the breaker closed; a lookup in the same stall fails fast and opens it."""
+    s = make_store(redis_server, connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=10.0)
+    d = tensor("uint8", 0, 4096)
+    try:
+        assert s.put_many([(skey(1), d, "uint8")]) == 1  # the connections are open
+        redis_server.pause()
+        threading.Timer(1.0, redis_server.resume).start()  # 4x a lookup's deadline
+        assert s.put_many([(skey(2), d, "uint8")]) == 1
+        assert s.available and quiet(s.stats())
+        assert plain.exists(remote_key(skey(2)))
+        redis_server.pause()
+        try:
+            assert s.contains_many([skey(1), skey(2)]) == [False, False]
+            assert not s.available and s.stats()["unavailable"] == 1
+        finally:
+            redis_server.resume()
+        eventually(lambda: s.available, "the probe to find the server")
+        assert s.contains_many([skey(1), skey(2)]) == [True, True]
+    finally:
+        redis_server.resume()
+        s.close()
 
 
 def test_password_and_database_from_the_url(tmp_path) -> None:

@@ -498,7 +498,7 @@ def test_backpressure_drops_when_disk_lags(env):
     st = h.stats()
     assert st["writes_started"] == 1 and st["writes_dropped"] == 3
     gated.writes_open.set()
-    h.close(flush_dropped=False)
+    h.close(flush_unwritten=False)
     assert [on_disk(disk, k) for k in keys] == [True, False, False, False]
 
 

@@ -298,10 +298,10 @@ class Hierarchy:
         out["tiers"] = tiers
         return out
 
-    def close(self, timeout: float | None = None, *, flush_dropped: bool = True) -> bool:
-        """Finish every accepted write (deferred ones too) and, with ``flush_dropped``, write the
-        chunks backpressure dropped that the host tier still holds (so a restart finds what
-        this process held); then stop the pipeline.
+    def close(self, timeout: float | None = None, *, flush_unwritten: bool = True) -> bool:
+        """Finish every accepted write (deferred ones too) and, with ``flush_unwritten``, write the
+        chunks backpressure dropped or whose write failed that the host tier still holds (so a
+        restart finds what this process held); then stop the pipeline.
 
         Returns True when everything was written. ``timeout`` (seconds) bounds the wait (a tier
         that stopped answering, a large host tier on a slow disk); writes still queued then are
@@ -312,8 +312,9 @@ class Hierarchy:
         with s.lock:
             if s.closed:
                 return True
-            if flush_dropped and (n := self._writes.flush_dropped()):
-                logger.info("kvstrata: writing %d chunk(s) the write-behind had dropped before closing", n)
+            if flush_unwritten and (n := self._writes.flush_unwritten()):
+                logger.info("kvstrata: writing %d chunk(s) the write-behind had dropped or failed to "
+                            "write before closing", n)
             s.closed = True
             s.landed.notify_all()
         drained = True
@@ -459,7 +460,7 @@ class Hierarchy:
     def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
         for link in self._s.links:
             link.resident.discard(key)
-            link.dropped.discard(key)
+            link.unwritten.discard(key)
         self._s.journal.add(TIER_HOST, True, [key])
 
     def _on_tier_removed(self, link: TierLink, store_keys: list[bytes]) -> None:

@@ -56,9 +56,10 @@ class TierLink:
     removed_while_queued: set[bytes] = field(default_factory=set)
     deferred: deque[bytes] = field(default_factory=deque)
     deferred_bytes: int = 0
-    # Host chunks whose write backpressure dropped, while they stay in the host tier: a clean
-    # shutdown writes them (``WriteBehind.flush_dropped``), so a restart still finds them.
-    dropped: set[bytes] = field(default_factory=set)
+    # Host chunks admitted to this tier but not written (backpressure dropped the write, or it
+    # failed: a server that did not answer in time), while they stay in the host tier: a clean
+    # shutdown writes them (``WriteBehind.flush_unwritten``), so a restart still finds them.
+    unwritten: set[bytes] = field(default_factory=set)
     inflight_bytes: int = 0
     writes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("completed", "failed", "dropped", "deferred", "bytes", "flushed"), 0))

@@ -5,8 +5,8 @@ above the one it came from) and whose offers reach a tier's admission threshold 
 that tier, holding a reference on its host slot meanwhile. Per tier, at most its
 ``max_inflight`` bytes are in flight; beyond that new writes are deferred (keeping their slot, up
 to ``max_deferred_bytes``) or dropped, as the tier's link says, and counted. Callers never wait
-on a tier. A clean shutdown (``Hierarchy.close``) writes the dropped chunks still in the host tier
-before it drains.
+on a tier. A clean shutdown (``Hierarchy.close``) writes the chunks still in the host tier whose
+write was dropped or failed before it drains.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class WriteBehind:
             return None
         link.writes["dropped"] += 1
         self.s.counts["writes_dropped"] += 1
-        link.dropped.add(key)
+        link.unwritten.add(key)
         return None
 
     def _claim(self, link: TierLink, key: bytes, size: int, pinned: bool = False) -> Write:
@@ -70,23 +70,23 @@ class WriteBehind:
         entry = pool.get(key)
         slot = pool.acquire(key) if not pinned else entry[0]  # type: ignore[index]
         link.queued.add(key)
-        link.dropped.discard(key)
+        link.unwritten.discard(key)
         link.inflight_bytes += size
         self.s.counts["writes_started"] += 1
         return link, key, slot, chunk_group(key), size
 
-    def flush_dropped(self) -> int:
+    def flush_unwritten(self) -> int:
         """Queue, for the drain of a clean shutdown, every chunk whose write backpressure
-        dropped and that is still in the host tier (most recently used first), beyond the
-        deferral budget: shutting down must not lose what serving had no time to write.
-        Returns how many writes it queued."""
+        dropped or that failed and that is still in the host tier (most recently used first),
+        beyond the deferral budget: shutting down must not lose what serving had no time (or
+        no server) to write. Returns how many writes it queued."""
         pool = self.s.pool
         queued = 0
         for link in self.s.links:
-            if not link.dropped:
+            if not link.unwritten:
                 continue
-            order = [k for k in reversed(pool.keys()) if k in link.dropped]
-            link.dropped.clear()
+            order = [k for k in reversed(pool.keys()) if k in link.unwritten]
+            link.unwritten.clear()
             for key in order:
                 if not pool.is_ready(key) or key in link.resident or key in link.queued:
                     continue
@@ -150,6 +150,8 @@ class WriteBehind:
             else:
                 link.writes["failed"] += 1
                 s.counts["writes_failed"] += 1
+                if not removed and s.pool.is_ready(key):
+                    link.unwritten.add(key)  # the next offer, or a clean shutdown, tries again
             more = self._pump(link)
             if ok and removed and s.pool.is_ready(key):
                 # The tier dropped it while this write was queued, and offers meanwhile found it

@@ -8,9 +8,15 @@ an eviction could separate. The server owns eviction (``maxmemory`` + ``allkeys-
 gone by the time it is read is a miss, and a value that fails its check is a miss and is deleted.
 
 Every method is called from a thread and answers within about ``connect_timeout_s +
-timeout_s``; a failure (server down, hung, restarted) opens the breaker (``breaker``), after
-which calls answer "miss / not stored" at once until a background probe finds the server again.
-Nothing here raises into the hierarchy.
+timeout_s`` (writes: ``connect_timeout_s + write_timeout_s``); a failure (server down, hung,
+restarted) opens the breaker (``breaker``), after which calls answer "miss / not stored" at once
+until a background probe finds the server again. Nothing here raises into the hierarchy.
+
+Writes run in the background (write-behind) and carry whole chunks (tens of MB for a large
+model), so they have a deadline of their own and a connection pool of their own: a write that
+takes longer than a lookup may (a large value over a 1 GbE link, a server stalled by its own
+fork for a snapshot) neither fails nor opens the breaker for the serving path, and a backlog of
+writes never keeps a lookup waiting for a connection.
 """
 
 from __future__ import annotations
@@ -61,7 +67,11 @@ class RemoteStore:
         url: ``remote_url`` (see ``address``), or an already parsed address.
         connect_timeout_s, timeout_s: TCP connect and per-reply socket timeouts; a call takes
             at most about their sum.
-        max_connections: connection pool size (per node of a cluster).
+        write_timeout_s: the per-reply timeout of writes (one chunk each, in the background; at
+            least ``timeout_s``): a write takes at most about ``connect_timeout_s +
+            write_timeout_s``.
+        max_connections: connection pool size (per node of a cluster), for reads and again
+            for writes.
         probe_interval_s: how often a server found unavailable is asked again.
         ttl_s: expire values after this long (None: only the server's eviction removes them).
         codec: "auto" (byte planes + zstd, as on disk) or "raw".
@@ -76,6 +86,7 @@ class RemoteStore:
         *,
         connect_timeout_s: float = 0.2,
         timeout_s: float = 0.25,
+        write_timeout_s: float = 2.0,
         max_connections: int = 16,
         probe_interval_s: float = 1.0,
         ttl_s: float | None = None,
@@ -89,7 +100,9 @@ class RemoteStore:
         self._level = level
         self._prefix = key_prefix
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        write_timeout_s = max(write_timeout_s, timeout_s)
         self._deadline = connect_timeout_s + timeout_s
+        self._write_deadline = connect_timeout_s + write_timeout_s
         self.on_removed: Callable[[list[bytes]], None] | None = None
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._counts_lock = threading.Lock()
@@ -99,11 +112,12 @@ class RemoteStore:
         self._closed = False
         self._loop = rc.RemoteLoop("kvstrata-remote")
 
-        async def create() -> Any:
+        async def create(timeout: float) -> Any:
             return rc.make_client(self.address, connect_timeout_s=connect_timeout_s,
-                                  timeout_s=timeout_s, max_connections=max_connections)
+                                  timeout_s=timeout, max_connections=max_connections)
 
-        self._client = self._loop.submit(create()).result(10)
+        self._client = self._loop.submit(create(timeout_s)).result(10)
+        self._writer = self._loop.submit(create(write_timeout_s)).result(10)
 
     # ---- LowerTier ----------------------------------------------------------------------------
 
@@ -159,7 +173,8 @@ class RemoteStore:
             return 0
         frames = [(self._rkey(key), codec.encode(data, dtype, key=key, level=self._level, mode=self._mode))
                   for key, data, dtype in entries]
-        done = self._call(rc.set_many(self._client, frames, self._ttl_ms), None) or [False] * len(frames)
+        done = (self._call(rc.set_many(self._writer, frames, self._ttl_ms), None, self._write_deadline)
+                or [False] * len(frames))
         stored = sum(done)
         # Bytes of the values the server took (all, or none when the call failed).
         self._bump(puts=stored, put_failed=len(entries) - stored,
@@ -188,7 +203,7 @@ class RemoteStore:
             return
         self._closed = True
         try:
-            self._loop.submit(self._shutdown()).result(self._deadline + 1.0)
+            self._loop.submit(self._shutdown()).result(2 * self._deadline + 1.0)
         except Exception:  # closing a dead server's connections: nothing to do about it
             pass
         self._loop.stop()
@@ -202,7 +217,8 @@ class RemoteStore:
         for task in others:
             task.cancel()
         await asyncio.gather(*others, return_exceptions=True)
-        await asyncio.wait_for(self._client.aclose(), self._deadline)
+        for client in (self._client, self._writer):
+            await asyncio.wait_for(client.aclose(), self._deadline)
 
     # ---- server information (tools, tests, benchmarks) -------------------------------------
 
@@ -224,16 +240,16 @@ class RemoteStore:
             for name, n in counts.items():
                 self._counts[name] += n
 
-    def _call(self, coro: Any, default: Any) -> Any:
-        """Run a command batch on the loop with the tier's deadline; ``default`` when the
-        breaker is open or the call fails (counted, and the breaker opened if the server is
-        unavailable)."""
+    def _call(self, coro: Any, default: Any, deadline: float | None = None) -> Any:
+        """Run a command batch on the loop within ``deadline`` (the tier's, by default);
+        ``default`` when the breaker is open or the call fails (counted, and the breaker opened
+        if the server is unavailable)."""
         if not self._breaker.up or self._closed:
             coro.close()
             self._bump(skipped_unavailable=1)
             return default
         try:
-            return self._loop.call(coro, self._deadline)
+            return self._loop.call(coro, self._deadline if deadline is None else deadline)
         except _UNAVAILABLE as exc:
             self._unavailable(exc)
         except Exception as exc:
@@ -299,11 +315,12 @@ class RemoteStore:
             self._probing = False
 
     async def _reset_connections(self) -> None:
-        try:
-            pool = getattr(self._client, "connection_pool", None)
-            if pool is not None:
-                await pool.disconnect()
-            else:  # a cluster client: rediscover the nodes on its next command
-                await self._client.aclose()
-        except Exception:
-            pass
+        for client in (self._client, self._writer):
+            try:
+                pool = getattr(client, "connection_pool", None)
+                if pool is not None:
+                    await pool.disconnect()
+                else:  # a cluster client: rediscover the nodes on its next command
+                    await client.aclose()
+            except Exception:
+                pass
