@@ -55,7 +55,8 @@ from kvstrata.tools.bench_e2e import (
     smollm2,
     stores_parent,
 )
-from kvstrata.tools.engine import EngineOptions, JobError, run_job_subprocess
+from kvstrata.tools.engine import EngineOptions
+from kvstrata.tools.jobs import JobError, run_job_subprocess
 from kvstrata.tools.models import (
     MIN_PROMPT_TOKENS,
     SMOLLM2_CONTEXT,

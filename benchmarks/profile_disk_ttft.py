@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._env import export_repo_root
-from kvstrata.tools.engine import JobError, child_env, run_job, run_job_subprocess
+from kvstrata.tools.jobs import JobError, child_env, run_job, run_job_subprocess
 
 # "module:Class.method" or "module:function"; missing targets are skipped (versions move).
 COMMON_TARGETS = (

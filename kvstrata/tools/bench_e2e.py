@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.config import parse_size
-from kvstrata.tools.engine import EngineOptions, JobError, store_summary
+from kvstrata.tools.engine import EngineOptions, store_summary
+from kvstrata.tools.jobs import JobError
 from kvstrata.tools.models import (
     ModelPrepError,
     check_smollm2_prompt,

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.tools.bench_e2e import json_object, smollm2
-from kvstrata.tools.engine import EngineOptions, run_job_subprocess
+from kvstrata.tools.engine import EngineOptions
+from kvstrata.tools.jobs import run_job_subprocess
 
 GOALS = {"no_reuse_time_ratio": 1.05, "mixed_time_ratio": 0.7}
 # Configurations measured by default: name -> kvstrata options (None: vLLM without kvstrata).

@@ -305,7 +305,8 @@ def first_token(url: str, args: argparse.Namespace, tokens: int,
     from kvstrata.tools.bench_e2e import smollm2, stores_parent
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt
-    from kvstrata.tools.engine import JobError, run_job_subprocess, store_summary
+    from kvstrata.tools.engine import store_summary
+    from kvstrata.tools.jobs import JobError, run_job_subprocess
     from kvstrata.tools.models import check_smollm2_prompt
 
     try:

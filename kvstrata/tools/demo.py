@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.config import default_store_path, parse_size
-from kvstrata.tools.engine import JobError, store_summary
+from kvstrata.tools.engine import store_summary
+from kvstrata.tools.jobs import JobError
 from kvstrata.tools.models import (
     ModelPrepError,
     check_smollm2_prompt,

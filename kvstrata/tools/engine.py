@@ -1,14 +1,8 @@
-"""Run a real vLLM engine with kvstrata, in this process or as a fresh one.
+"""Run a real vLLM engine with kvstrata in this process: its options, the ``kv_transfer_config``
+that loads kvstrata, generation, metrics, a clean shutdown, and a summary of a store.
 
-Shared by ``kvstrata demo``, ``kvstrata bench e2e`` and the end-to-end tests. The unit of work is a
-*job*: engine options plus a list of steps (generate, reset the prefix cache, drop the page cache).
-:func:`run_job` executes one in this process; :func:`run_job_subprocess` executes it in a new
-Python process, which is how callers get *real* restarts: a store reopened by a process that has
-never seen it, with no state left over in memory.
-
-Child protocol (``python -m kvstrata.tools.engine JOB RESULT PROGRESS``): the job and the result are
-JSON files, progress is a JSON-lines file the parent may poll. vLLM's own logging goes to the
-child's stdout/stderr, which the parent sends to a log file and shows only on failure.
+Shared by ``kvstrata demo``, ``kvstrata warmup``, the benchmarks and the end-to-end tests;
+``jobs`` runs these as jobs, in this process or in a fresh one (a real restart).
 
 vLLM is imported lazily (inside the functions), so the parent of a subprocess job never pays for it.
 """
@@ -16,15 +10,10 @@ vLLM is imported lazily (inside the functions), so the parent of a subprocess jo
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -250,8 +239,6 @@ def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds used so far by this process's threads, by Python thread name (pool threads'
     ``_N`` suffix dropped; threads Python did not start, e.g. OpenMP's, are ``native``), and the
     process's ``io`` counters: where a step's time went (``generate`` steps report deltas)."""
-    import threading
-
     names = {t.native_id: t.name.rstrip("0123456789").rstrip("_-") or t.name
              for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
@@ -343,232 +330,3 @@ def store_summary(store: str | os.PathLike[str], model: str | None = None) -> di
                     "raw_bytes": raw, "stored_bytes": stored,
                     "compression_ratio": raw / stored if stored else 1.0}
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Jobs
-# --------------------------------------------------------------------------------------------
-
-
-def run_job(job: dict[str, Any], progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Run a job in this process. Steps:
-
-    * ``{"op": "generate", "name": ..., "prompts": [[ids]...], "max_tokens": n,
-      "cache_salt": s (or one per prompt), "ignore_eos": b, "kv_transfer_params": {...},
-      "logprobs": k}`` (all but prompts optional)
-    * ``{"op": "reset_prefix_cache"}`` (vLLM's device prefix cache only; kvstrata keeps its tiers)
-    * ``{"op": "drop_page_cache"}``
-    * ``{"op": "sleep", "seconds": s}``
-    * ``{"op": "signal", "path": p}`` (creates the file ``p``) and
-      ``{"op": "wait_for", "path": p, "timeout_s": t}`` (until ``p`` exists): hand-offs between
-      engines running at the same time, e.g. two replicas on one store
-
-    Returns ``{"import_s", "engine_start_s", "steps": [...], "shutdown_s"}``; each generate step
-    reports its completions and the metric deltas it caused.
-    """
-    say = progress or (lambda _msg: None)
-    opts = EngineOptions.from_dict(job["engine"])
-    t0 = time.perf_counter()
-    say("importing vLLM")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if opts.multiprocess else "0"
-    import vllm  # noqa: F401  (timed separately from the engine start)
-
-    t1 = time.perf_counter()
-    say("starting the engine")
-    llm = build_llm(opts)
-    t2 = time.perf_counter()
-    result: dict[str, Any] = {"import_s": t1 - t0, "engine_start_s": t2 - t1, "steps": []}
-    try:
-        for step in job.get("steps", []):
-            result["steps"].append(_run_step(llm, step, say))
-    finally:
-        say("shutting down")
-        t3 = time.perf_counter()
-        shutdown_llm(llm)
-        result["shutdown_s"] = time.perf_counter() - t3
-    return result
-
-
-def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]:
-    op = step["op"]
-    name = step.get("name", op)
-    if op == "generate":
-        prompts = step["prompts"]
-        say(f"{name}: {len(prompts)} prompt(s), {sum(map(len, prompts))} tokens")
-        before = metrics_snapshot(llm)
-        cpu = thread_cpu_seconds()
-        t = time.perf_counter()
-        outs = generate(llm, prompts, int(step.get("max_tokens", 16)),
-                        cache_salt=step.get("cache_salt"),
-                        ignore_eos=bool(step.get("ignore_eos", True)),
-                        kv_transfer_params=step.get("kv_transfer_params"),
-                        logprobs=step.get("logprobs"))
-        wall = time.perf_counter() - t
-        cpu_after = thread_cpu_seconds()
-        return {"op": op, "name": name, "wall_s": wall,
-                "outputs": [asdict(o) for o in outs],
-                "metrics": metrics_delta(before, metrics_snapshot(llm)),
-                "thread_cpu_s": {k: round(v - cpu.get(k, 0.0), 3) for k, v in cpu_after.items()
-                                 if v - cpu.get(k, 0.0) > 0}}
-    if op == "reset_prefix_cache":
-        return {"op": op, "name": name, "ok": bool(llm.reset_prefix_cache())}
-    if op == "drop_page_cache":
-        return {"op": op, "name": name, "ok": drop_page_cache()}
-    if op == "sleep":
-        time.sleep(float(step["seconds"]))
-        return {"op": op, "name": name}
-    if op == "signal":
-        Path(step["path"]).touch()
-        return {"op": op, "name": name}
-    if op == "wait_for":
-        path, timeout_s = Path(step["path"]), float(step.get("timeout_s", 300.0))
-        say(f"{name}: waiting for {path}")
-        deadline = time.monotonic() + timeout_s
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s")
-            time.sleep(0.05)
-        return {"op": op, "name": name}
-    raise ValueError(f"unknown job step {op!r}")
-
-
-class JobError(RuntimeError):
-    """A subprocess job failed; ``log_tail`` holds the end of its output."""
-
-    def __init__(self, message: str, log_tail: str = "", returncode: int | None = None) -> None:
-        super().__init__(f"{message}\n--- last lines of the engine log ---\n{log_tail}"
-                         if log_tail else message)
-        self.log_tail = log_tail
-        self.returncode = returncode  # negative: the engine was killed by that signal
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of an engine subprocess.
-
-    PYTHONHASHSEED is removed: vLLM's sha256 block hashes are seeded with it when it is set, and
-    a parent that set it for itself must not make a child's keys differ from a later user's.
-    """
-    env = dict(os.environ)
-    env.pop("PYTHONHASHSEED", None)
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if extra:
-        env.update(extra)
-    return env
-
-
-def run_job_subprocess(
-    job: dict[str, Any],
-    *,
-    timeout_s: float = 600.0,
-    progress: ProgressFn | None = None,
-    env: dict[str, str] | None = None,
-    log_path: Path | None = None,
-) -> dict[str, Any]:
-    """Run ``job`` in a fresh Python process (a real restart) and return its result.
-
-    ``progress`` receives the child's progress messages while it runs. Raises :class:`JobError`
-    with the tail of the engine log if the child fails or times out.
-    """
-    return run_jobs_subprocess([job], timeout_s=timeout_s, progress=progress, env=env,
-                               log_path=log_path)[0]
-
-
-def run_jobs_subprocess(
-    jobs: Sequence[dict[str, Any]],
-    *,
-    timeout_s: float = 600.0,
-    progress: ProgressFn | None = None,
-    env: dict[str, str] | None = None,
-    log_path: Path | None = None,
-) -> list[dict[str, Any]]:
-    """Run several jobs one after another in one fresh process (one engine at a time).
-
-    Each engine is shut down before the next starts, so they may share a store; only the
-    Python/vLLM import is paid once. Use separate calls where a restart is the point.
-    """
-    with tempfile.TemporaryDirectory(prefix="kvstrata-job-") as tmp:
-        tmpdir = Path(tmp)
-        job_file, result_file, progress_file = (tmpdir / n for n in
-                                                ("job.json", "result.json", "progress.jsonl"))
-        job_file.write_text(json.dumps({"jobs": list(jobs)}))
-        progress_file.touch()
-        log_file = log_path or tmpdir / "engine.log"
-        cmd = [sys.executable, "-m", "kvstrata.tools.engine", str(job_file), str(result_file),
-               str(progress_file)]
-        with open(log_file, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=child_env(env))
-            try:
-                _follow(proc, progress_file, progress, timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise JobError(f"engine job timed out after {timeout_s:.0f} s",
-                               _tail(log_file)) from None
-            except BaseException:
-                proc.kill()
-                proc.wait()
-                raise
-        if proc.returncode != 0 or not result_file.exists():
-            raise JobError(f"engine job exited with status {proc.returncode}", _tail(log_file),
-                           returncode=proc.returncode)
-        return json.loads(result_file.read_text())
-
-
-def _follow(proc: subprocess.Popen[bytes], progress_file: Path, progress: ProgressFn | None,
-            timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    offset = 0
-    while True:
-        try:
-            proc.wait(timeout=0.2)
-            done = True
-        except subprocess.TimeoutExpired:
-            done = False
-        if progress is not None:
-            with open(progress_file, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-            # Only whole lines: the child may be in the middle of writing one.
-            end = chunk.rfind(b"\n") + 1
-            offset += end
-            for line in chunk[:end].splitlines():
-                with contextlib.suppress(ValueError):
-                    progress(json.loads(line)["msg"])
-        if done:
-            return
-        if time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(proc.args, timeout_s)
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _child_main(argv: list[str]) -> int:
-    job_file, result_file, progress_file = (Path(a) for a in argv)
-    jobs = json.loads(job_file.read_text())["jobs"]
-    lock = threading.Lock()
-
-    def say(msg: str) -> None:
-        with lock, open(progress_file, "a") as f:
-            f.write(json.dumps({"t": time.time(), "msg": msg}) + "\n")
-
-    results = [run_job(job, say) for job in jobs]
-    tmp = result_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results))
-    tmp.rename(result_file)
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 4:
-        print("usage: python -m kvstrata.tools.engine JOB.json RESULT.json PROGRESS.jsonl",
-              file=sys.stderr)
-        sys.exit(2)
-    sys.exit(_child_main(sys.argv[1:]))

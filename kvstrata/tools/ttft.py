@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from kvstrata.tools.engine import EngineOptions, ProgressFn, run_job_subprocess
+from kvstrata.tools.engine import EngineOptions, ProgressFn
+from kvstrata.tools.jobs import run_job_subprocess
 
 BLOCK_SIZE = 128  # vLLM's CPU default, pinned: the aligned chunk depends on it
 SOURCE_HOST = "vllm:prompt_tokens_cached_by_source{source=host}"

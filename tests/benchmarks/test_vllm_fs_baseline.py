@@ -18,7 +18,8 @@ import pytest
 from benchmarks.bench_vs_vllm import fs_tier_usage
 from benchmarks.vllm_fs_baseline import fs_transfer_config
 from kvstrata.tools import models
-from kvstrata.tools.engine import EngineOptions, run_job_subprocess
+from kvstrata.tools.engine import EngineOptions
+from kvstrata.tools.jobs import run_job_subprocess
 
 BLOCK = 32
 MAX_TOKENS = 12

@@ -1,6 +1,6 @@
 """Shared pieces of the end-to-end tests: tiny models, prompts, engine phases, store surgery.
 
-Every engine runs in its own Python process (``kvstrata.tools.engine.run_job_subprocess``), so a
+Every engine runs in its own Python process (``kvstrata.tools.jobs.run_job_subprocess``), so a
 "restart" is a real one and a crash in vLLM or kvstrata fails one test instead of the session.
 """
 
@@ -30,7 +30,8 @@ from equivalence import (
 
 from kvstrata.connector.keys import NAMESPACE_BYTES
 from kvstrata.tools import models
-from kvstrata.tools.engine import EngineOptions, run_job_subprocess, run_jobs_subprocess
+from kvstrata.tools.engine import EngineOptions
+from kvstrata.tools.jobs import run_job_subprocess, run_jobs_subprocess
 
 MAX_TOKENS = 12
 KV_BYTES = 64 << 20

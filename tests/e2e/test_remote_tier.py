@@ -38,7 +38,7 @@ from redis_server import RedisServer
 
 from kvstrata.tiers.remote import KEY_PREFIX
 from kvstrata.tools import models
-from kvstrata.tools.engine import run_jobs_subprocess
+from kvstrata.tools.jobs import run_jobs_subprocess
 
 CASE = CASES["llama"]  # float32, 128-token blocks, prompt tails served
 

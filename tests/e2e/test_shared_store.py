@@ -25,8 +25,8 @@ from e2e_harness import (
 )
 
 from kvstrata.tiers.disk import DiskStore
-from kvstrata.tools.engine import run_job_subprocess
 from kvstrata.tools.inspect import inspect_store
+from kvstrata.tools.jobs import run_job_subprocess
 from kvstrata.tools.verify import find_problems
 
 

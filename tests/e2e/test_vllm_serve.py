@@ -33,8 +33,9 @@ from redis_server import RedisServer, free_port
 
 from kvstrata.tiers.remote import KEY_PREFIX
 from kvstrata.tools import models
-from kvstrata.tools.engine import child_env, strata_transfer_config
+from kvstrata.tools.engine import strata_transfer_config
 from kvstrata.tools.inspect import inspect_store
+from kvstrata.tools.jobs import child_env
 
 START_DEADLINE_S = 900.0  # two servers starting at once on two shared cores: 1-3 minutes here
 REQUEST_TIMEOUT_S = 300.0

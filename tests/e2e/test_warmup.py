@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from kvstrata.tools import models
-from kvstrata.tools.engine import EngineOptions, run_job_subprocess
+from kvstrata.tools.engine import EngineOptions
+from kvstrata.tools.jobs import run_job_subprocess
 
 BLOCK = 128  # vLLM's default block size on CPU
 KVSTRATA = [sys.executable, "-c", "import sys; from kvstrata.tools.cli import main; sys.exit(main())"]

@@ -524,12 +524,12 @@ def test_warmup_names_the_bad_corpus_line_before_any_work(
 
 
 def test_warmup_reads_the_corpus_in_order() -> None:
-    from kvstrata.tools.warmup import _parse_line
+    from kvstrata.tools.warmup_corpus import parse_line
 
-    assert _parse_line(Path("p"), 1, "   \n") is None
-    p = _parse_line(Path("p"), 2, '{"prompt": "hi", "id": 3}')
+    assert parse_line(Path("p"), 1, "   \n") is None
+    p = parse_line(Path("p"), 2, '{"prompt": "hi", "id": 3}')
     assert p is not None and (p.line, p.text, p.token_ids) == (2, "hi", None)
-    q = _parse_line(Path("p"), 3, '{"prompt_token_ids": [0, 9]}')
+    q = parse_line(Path("p"), 3, '{"prompt_token_ids": [0, 9]}')
     assert q is not None and q.token_ids == [0, 9]
 
 
