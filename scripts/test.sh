@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/env.sh
 .venv/bin/ruff check kvstrata tests benchmarks
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# The slowest tests are listed at the end: the suite must stay under 20 minutes on 2 cores.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
