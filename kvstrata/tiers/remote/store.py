@@ -12,11 +12,12 @@ timeout_s`` (writes: ``connect_timeout_s + write_timeout_s``); a failure (server
 restarted) opens the breaker (``breaker``), after which calls answer "miss / not stored" at once
 until a background probe finds the server again. Nothing here raises into the hierarchy.
 
-Writes run in the background (write-behind) and carry whole chunks (tens of MB for a large
-model), so they have a deadline of their own and a connection pool of their own: a write that
-takes longer than a lookup may (a large value over a 1 GbE link, a server stalled by its own
-fork for a snapshot) neither fails nor opens the breaker for the serving path, and a backlog of
-writes never keeps a lookup waiting for a connection.
+Writes run in the background (write-behind) and carry whole chunks (a 70B model's KV is 320 KiB
+per token: a 128-token chunk is 40 MiB, and redis-py bounds a pipeline's whole send by the socket
+timeout), so they have a deadline and a connection pool of their own: a write that takes longer
+than a lookup may (a large value over a 1 GbE link, a server stalled by its own fork for a
+snapshot) neither fails nor opens the breaker for the serving path, and a backlog of writes
+never keeps a lookup waiting for a connection.
 """
 
 from __future__ import annotations
