@@ -40,7 +40,8 @@ GAUGES = (
     "promotions", "warm_promotions", "writes_behind",
     # The shared tier: whether it answers now, bytes moved, values served, and what went wrong
     # (errors: failed or refused calls; unavailable_skips: calls not made while it was down;
-    # writes_dropped: chunks that did not reach it, its backlog full or the server away).
+    # writes_dropped: writes that did not reach it, its backlog full or the server away; a
+    # failed one is sent again once the server answers, and a clean shutdown writes them all).
     "remote_available", "remote_read_bytes", "remote_written_bytes", "remote_hits",
     "remote_errors", "remote_unavailable_skips", "remote_corrupt", "remote_writes_dropped",
 )

@@ -323,3 +323,25 @@ def test_writes_that_failed_while_the_server_hung_are_written_at_a_clean_shutdow
     assert b.h.lookup_many(keys) == [PENDING] * 4
     eventually(lambda: b.h.lookup_many(keys) == [HIT] * 4, "B's promotions from the server")
     b.check_bytes(keys)
+
+
+def test_writes_that_failed_while_the_server_hung_follow_the_first_write_it_takes(
+        engines, redis_server: RedisServer, plain: redis.Redis) -> None:
+    """After an outage the shared tier heals without a restart: once the server answers again,
+    the first write that succeeds starts again the writes that failed meanwhile."""
+    a = engines("a", disk=False, slots=16,
+                remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=0.25))
+    keys = [key(i) for i in range(4)]
+    redis_server.pause()
+    try:
+        a.put(keys)
+        eventually(lambda: a.tier("remote")["writes_failed"] == 4, "the writes to fail")
+    finally:
+        redis_server.resume()
+    eventually(lambda: a.remote.available, "the probe to find the server", 10)
+    assert plain.dbsize() == 0  # nothing is sent again before a write succeeds
+    a.put([key(10)])
+    eventually(lambda: all(on_server(plain, a.ns, k) for k in [*keys, key(10)]), "the writes retried")
+    rs = a.tier("remote")
+    assert (rs["writes_retried"], rs["writes_completed"], rs["writes_failed"]) == (4, 5, 4)
+    assert a.h.close() and a.h.stats()["writes_flushed"] == 0  # nothing left for the shutdown

@@ -529,6 +529,44 @@ def test_a_clean_shutdown_writes_the_dropped_chunks_the_host_tier_still_holds(en
     eventually(lambda: h2.lookup_many(keys[2:] + later) == [HIT] * 6, "promotions")
 
 
+class RefusingDisk(GatedDisk):
+    """A real DiskStore that refuses the writes of some chunks (a value it cannot take)."""
+
+    def __init__(self, disk: DiskStore, refused: set[bytes]) -> None:
+        super().__init__(disk)
+        self.refused = refused
+        self.refusals: dict[bytes, int] = {}
+
+    def put_many(self, entries):
+        chunk = entries[0][0][len(NS[0]):]
+        if chunk in self.refused:
+            with self._lock:
+                self.refusals[chunk] = self.refusals.get(chunk, 0) + 1
+            return 0
+        return super().put_many(entries)
+
+
+def test_a_failed_write_is_retried_once_after_the_next_success_then_waits_for_the_shutdown(env):
+    disk = env.disk()
+    bad, good = key(1), key(2)
+    refusing = RefusingDisk(disk, {bad})
+    h = env.hier(refusing, slots=32)
+    store(h, [bad])
+    eventually(lambda: h.stats()["writes_failed"] == 1, "the refused write")
+    store(h, [good])  # a success: the failed write is started again, and refused again
+    eventually(lambda: refusing.refusals.get(bad) == 2 and h.stats()["writes_completed"] == 1, "one retry")
+    more = [key(10 + i) for i in range(5)]
+    store(h, more)  # five more successes: no retry beyond the first
+    eventually(lambda: h.stats()["writes_completed"] == 6, "the other writes")
+    assert refusing.refusals[bad] == 2
+    st = h.stats()
+    assert (st["writes_retried"], st["writes_failed"]) == (1, 2)
+    refusing.refused.clear()  # the disk takes it now: the shutdown writes it
+    assert h.close()
+    assert on_disk(disk, bad) and refusing.refusals[bad] == 2
+    assert h.stats()["writes_flushed"] == 1 and h.stats()["writes_completed"] == 7
+
+
 def test_backpressure_defers_and_close_drains_everything(env):
     disk = env.disk()
     gated = GatedDisk(disk)

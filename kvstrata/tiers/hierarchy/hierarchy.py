@@ -461,6 +461,8 @@ class Hierarchy:
         for link in self._s.links:
             link.resident.discard(key)
             link.unwritten.discard(key)
+            link.failed.discard(key)
+            link.failures.pop(key, None)
         self._s.journal.add(TIER_HOST, True, [key])
 
     def _on_tier_removed(self, link: TierLink, store_keys: list[bytes]) -> None:

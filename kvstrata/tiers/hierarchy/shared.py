@@ -23,13 +23,16 @@ from kvstrata.tiers.priority import lower_this_thread
 
 TIER_HOST = "host"
 DEFAULT_WRITE_INFLIGHT_BYTES = 128 << 20  # per lower tier, before its backpressure applies
+# A failed write is retried after the tier's next successful one at most this often: one retry
+# covers an outage; a chunk a tier keeps refusing must not be sent again after every success.
+MAX_WRITE_RETRIES = 1
 
 COUNTERS = (
     "lookups", "lookup_hits", "lookup_pending", "stores_prepared", "stores_completed",
     "stores_failed", "store_no_room", "store_unknown", "loads_prepared", "loads_streamed",
     "promotions_started", "promotions_completed", "promotions_failed", "promote_no_room",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
-    "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed",
+    "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed", "writes_retried",
 )
 
 
@@ -60,9 +63,16 @@ class TierLink:
     # failed: a server that did not answer in time), while they stay in the host tier: a clean
     # shutdown writes them (``WriteBehind.flush_unwritten``), so a restart still finds them.
     unwritten: set[bytes] = field(default_factory=set)
+    # Those of them whose write failed: written again once a write to this tier succeeds (the
+    # server is back, the disk has room), as far as the write budget allows; a chunk whose
+    # writes failed more than MAX_WRITE_RETRIES times waits for the shutdown (or, with an
+    # admission threshold above 1, its next offer). ``failures``: failed writes per host chunk,
+    # until one succeeds or the chunk leaves the host tier.
+    failed: set[bytes] = field(default_factory=set)
+    failures: dict[bytes, int] = field(default_factory=dict)
     inflight_bytes: int = 0
     writes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("completed", "failed", "dropped", "deferred", "bytes", "flushed"), 0))
+        ("completed", "failed", "dropped", "deferred", "bytes", "flushed", "retried"), 0))
     # Threads of this tier's own (see Pipeline): a tier that stops answering holds up only
     # its own reads and writes.
     read_pool: ThreadPoolExecutor | None = None

@@ -5,8 +5,9 @@ above the one it came from) and whose offers reach a tier's admission threshold 
 that tier, holding a reference on its host slot meanwhile. Per tier, at most its
 ``max_inflight`` bytes are in flight; beyond that new writes are deferred (keeping their slot, up
 to ``max_deferred_bytes``) or dropped, as the tier's link says, and counted. Callers never wait
-on a tier. A clean shutdown (``Hierarchy.close``) writes the chunks still in the host tier whose
-write was dropped or failed before it drains.
+on a tier. A write that failed (a server that did not answer in time, a full disk) is tried
+again once a later write to the same tier succeeds. A clean shutdown (``Hierarchy.close``) writes
+the chunks still in the host tier whose write was dropped or failed before it drains.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from kvstrata.tiers.hierarchy.shared import Pipeline, Shared, TierLink, chunk_group
+from kvstrata.tiers.hierarchy.shared import (
+    MAX_WRITE_RETRIES,
+    Pipeline,
+    Shared,
+    TierLink,
+    chunk_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class WriteBehind:
         slot = pool.acquire(key) if not pinned else entry[0]  # type: ignore[index]
         link.queued.add(key)
         link.unwritten.discard(key)
+        link.failed.discard(key)
         link.inflight_bytes += size
         self.s.counts["writes_started"] += 1
         return link, key, slot, chunk_group(key), size
@@ -87,6 +95,7 @@ class WriteBehind:
                 continue
             order = [k for k in reversed(pool.keys()) if k in link.unwritten]
             link.unwritten.clear()
+            link.failed.clear()
             for key in order:
                 if not pool.is_ready(key) or key in link.resident or key in link.queued:
                     continue
@@ -141,6 +150,7 @@ class WriteBehind:
             link.removed_while_queued.discard(key)
             s.pool.release(key)
             if ok and not removed:
+                link.failures.pop(key, None)
                 link.resident.add(key)
                 link.writes["completed"] += 1
                 link.writes["bytes"] += size
@@ -151,13 +161,39 @@ class WriteBehind:
                 link.writes["failed"] += 1
                 s.counts["writes_failed"] += 1
                 if not removed and s.pool.is_ready(key):
-                    link.unwritten.add(key)  # the next offer, or a clean shutdown, tries again
+                    # Tried again after the tier's next successful write (once), by its next
+                    # offer (admission above 1), or by a clean shutdown.
+                    link.unwritten.add(key)
+                    link.failures[key] = n = link.failures.get(key, 0) + 1
+                    if n <= MAX_WRITE_RETRIES:
+                        link.failed.add(key)
             more = self._pump(link)
+            if ok and link.failed:
+                more += self._retry_failed(link)
             if ok and removed and s.pool.is_ready(key):
                 # The tier dropped it while this write was queued, and offers meanwhile found it
                 # queued: write it again now if it is still admitted.
                 more += self.admitted(key, s.offers.get(key, 0), links=[link])
         self._start(more)
+
+    def _retry_failed(self, link: TierLink) -> list[Write]:
+        """A write to ``link`` just succeeded: start again the failed writes of chunks the host
+        tier still holds, as far as the tier's write budget allows now (the rest wait for the
+        next success). Under the lock."""
+        pool = self.s.pool
+        out = []
+        while link.failed:
+            key = link.failed.pop()
+            if not pool.is_ready(key) or key in link.resident or key in link.queued:
+                continue
+            size = self.s.chunk_bytes(key)
+            if link.inflight_bytes and link.inflight_bytes + size > link.max_inflight:
+                link.failed.add(key)
+                break
+            out.append(self._claim(link, key, size))
+            link.writes["retried"] += 1
+            self.s.counts["writes_retried"] += 1
+        return out
 
     def _put(self, link: TierLink, key: bytes, slot: int, group: int) -> bool:
         dtype = self.s.group_dtypes[group]
