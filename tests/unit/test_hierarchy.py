@@ -893,6 +893,28 @@ def test_events_follow_chunks_into_and_out_of_each_tier(env):
     assert h2.take_events() == [("host", False, [k1])]
 
 
+def test_a_chunk_whose_records_leave_in_separate_transactions_is_removed_once(env):
+    # An eviction that needs one record's room, then another's, deletes a chunk's shard records
+    # in two transactions: a router must see one BlockRemoved, not one per transaction.
+    disk = env.disk()
+    h = env.hier(disk, events=True, admit_after=2)
+    k = key(1)
+    store(h, [k])
+    assert h.lookup_many([k]) == [HIT]  # the second offer admits it
+    eventually(lambda: on_disk(disk, k), "write-behind")
+    assert h.take_events() == [("host", False, [k]), ("disk", False, [k])]
+    disk.delete_many([NS[0] + k])
+    disk.delete_many([NS[1] + k])
+    assert h.take_events() == [("disk", True, [k])]
+    assert h.lookup_many([k]) == [HIT]  # still in demand: written again
+    eventually(lambda: on_disk(disk, k), "the chunk written again")
+    assert h.take_events() == [("disk", False, [k])]
+    disk.delete_many([NS[1] + k])  # written since: its removal is news again
+    disk.delete_many([NS[0] + k])
+    assert h.take_events() == [("disk", True, [k])]
+    h.close()
+
+
 def test_disk_budget_evictions_are_events_once_per_chunk(env, tmp_path):
     # Room for two chunks (two records each, one per rank): a third evicts the oldest chunk.
     disk = DiskStore(tmp_path / "small", budget_bytes=40_000, codec="raw", evict_slack=0.0)

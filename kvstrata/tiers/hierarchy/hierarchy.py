@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Literal
 
@@ -470,10 +471,10 @@ class Hierarchy:
         # lock of ours, so a tier never waits on the hierarchy.
         width = len(self.namespaces[0])
         ours = set(self.namespaces)
-        keys = list(dict.fromkeys(k[width:] for k in store_keys if k[:width] in ours))
-        if keys:
-            self._writes.forget(link, keys)
-            self._s.journal.add(link.name, True, keys)
+        records = Counter(k[width:] for k in store_keys if k[:width] in ours)
+        if records:
+            self._writes.forget(link, list(records))
+            self._s.journal.add_removed_records(link.name, records)
 
 
 def _per_tier(name: str, value: Any, n: int) -> list[Any]:

@@ -125,10 +125,20 @@ class FailedPromotions:
 
 class Journal:
     """Tier changes for KV cache events: ``(tier, removed, keys)`` batches in the order they
-    happened, or nothing at all when nobody listens."""
+    happened, or nothing at all when nobody listens.
 
-    def __init__(self, enabled: bool) -> None:
+    A lower tier holds one record per chunk and shard, and may delete a chunk's records in
+    separate transactions (an eviction that needs one record's room, then another's): the chunk
+    is reported removed once, when its first record goes (it can no longer be served), not once
+    per transaction."""
+
+    def __init__(self, enabled: bool, shards: int = 1) -> None:
         self._events: deque[tuple[str, bool, list[bytes]]] | None = deque() if enabled else None
+        self._shards = shards
+        # Per lower tier: chunks reported removed of which some records remain -> records gone.
+        # An entry ends when the last record goes or the chunk is written again.
+        self._partly_gone: dict[str, dict[bytes, int]] = {}
+        self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -136,8 +146,33 @@ class Journal:
 
     def add(self, tier: str, removed: bool, keys: list[bytes]) -> None:
         # Single deque appends are atomic: tiers' own threads add without our lock.
-        if self._events is not None and keys:
-            self._events.append((tier, removed, keys))
+        if self._events is None or not keys:
+            return
+        if not removed and self._partly_gone.get(tier):
+            with self._lock:
+                gone = self._partly_gone[tier]
+                for key in keys:
+                    gone.pop(key, None)
+                self._events.append((tier, removed, keys))
+            return
+        self._events.append((tier, removed, keys))
+
+    def add_removed_records(self, tier: str, records: dict[bytes, int]) -> None:
+        """A lower tier deleted ``records[chunk]`` shard records of each chunk: report the
+        chunks not reported removed since they were last written."""
+        if self._events is None or not records:
+            return
+        with self._lock:
+            gone = self._partly_gone.setdefault(tier, {})
+            first = []
+            for key, n in records.items():
+                before = gone.pop(key, 0)
+                if before == 0:
+                    first.append(key)
+                if before + n < self._shards:
+                    gone[key] = before + n
+            if first:
+                self._events.append((tier, True, first))
 
     def take(self) -> list[tuple[str, bool, list[bytes]]]:
         events = self._events
@@ -190,7 +225,7 @@ class Shared:
         self.storing: set[bytes] = set()  # prepare_store'd, not completed
         self.promoting: dict[bytes, str] = {}  # lower tier -> host in flight: key -> tier name
         self.bad = FailedPromotions(retry_failed_after_s)
-        self.journal = Journal(events)
+        self.journal = Journal(events, shards=len(self.namespaces))
         # Offers of each chunk (stores, host hits), for the tiers' admission thresholds.
         self.offers: OrderedDict[bytes, int] = OrderedDict()
         self._offer_tracker_size = offer_tracker_size
