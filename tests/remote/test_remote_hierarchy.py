@@ -298,12 +298,12 @@ def test_writes_the_server_cannot_take_are_dropped_and_hold_no_slot(engines, red
     eventually(lambda: on_server(plain, a.ns, key(10)), "a new chunk on the server")
 
 
-def test_writes_that_failed_while_the_server_hung_are_written_at_a_clean_shutdown(
-        engines, redis_server: RedisServer, plain: redis.Redis) -> None:
-    """A hung server fails the writes of what an engine stores meanwhile (by their timeout, or
-    at once once the breaker is open). Those the host tier still holds when the engine shuts
-    down cleanly, the server back, reach the server then: the next engine finds them."""
-    a = engines("a", disk=False, slots=8,
+def _writes_failed_while_hung(engines, redis_server: RedisServer, plain: redis.Redis,
+                              slots: int) -> tuple[Engine, list[bytes]]:
+    """An engine (host + server) that stored four chunks while the server hung: their writes
+    failed and the breaker opened; the server is back and answering, and holds none of them
+    (nothing is sent again before a write succeeds)."""
+    a = engines("a", disk=False, slots=slots,
                 remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=0.25))
     keys = [key(i) for i in range(4)]
     redis_server.pause()
@@ -315,6 +315,15 @@ def test_writes_that_failed_while_the_server_hung_are_written_at_a_clean_shutdow
         redis_server.resume()
     eventually(lambda: a.remote.available, "the probe to find the server", 10)
     assert plain.dbsize() == 0
+    return a, keys
+
+
+def test_writes_that_failed_while_the_server_hung_are_written_at_a_clean_shutdown(
+        engines, redis_server: RedisServer, plain: redis.Redis) -> None:
+    """A hung server fails the writes of what an engine stores meanwhile (by their timeout, or
+    at once once the breaker is open). Those the host tier still holds when the engine shuts
+    down cleanly, the server back, reach the server then: the next engine finds them."""
+    a, keys = _writes_failed_while_hung(engines, redis_server, plain, slots=8)
     assert a.h.close()
     st = a.h.stats()
     assert (st["writes_failed"], st["writes_flushed"], st["writes_completed"]) == (4, 4, 4)
@@ -329,17 +338,7 @@ def test_writes_that_failed_while_the_server_hung_follow_the_first_write_it_take
         engines, redis_server: RedisServer, plain: redis.Redis) -> None:
     """After an outage the shared tier heals without a restart: once the server answers again,
     the first write that succeeds starts again the writes that failed meanwhile."""
-    a = engines("a", disk=False, slots=16,
-                remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=0.25))
-    keys = [key(i) for i in range(4)]
-    redis_server.pause()
-    try:
-        a.put(keys)
-        eventually(lambda: a.tier("remote")["writes_failed"] == 4, "the writes to fail")
-    finally:
-        redis_server.resume()
-    eventually(lambda: a.remote.available, "the probe to find the server", 10)
-    assert plain.dbsize() == 0  # nothing is sent again before a write succeeds
+    a, keys = _writes_failed_while_hung(engines, redis_server, plain, slots=16)
     a.put([key(10)])
     eventually(lambda: all(on_server(plain, a.ns, k) for k in [*keys, key(10)]), "the writes retried")
     rs = a.tier("remote")
