@@ -130,7 +130,7 @@ class StrataConfig:
     # (tiers/priority.py), so it takes only cores serving leaves idle; "normal" does not lower it.
     background_priority: str = "idle"
     # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and
-    # those its backpressure dropped while the host tier still holds them), so a restart finds
+    # those dropped or failed while the host tier still holds them), so a restart finds
     # them; it waits at most this long, then abandons the rest (logged). null: no bound.
     shutdown_write_timeout_s: float | None = 60.0
     # The shared tier (tiers/remote): a Redis/Valkey server or cluster every engine of a
