@@ -17,6 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from kvstrata import fsmode
 from kvstrata.remote_address import RemoteURLError, parse_remote_url
 
 DEFAULT_STORE_ENV = "KVSTRATA_STORE"
@@ -155,6 +156,19 @@ class StrataConfig:
     remote_write_backlog_bytes: int = 256 << 20
     # Expire shared values after this long; null leaves eviction to the server's maxmemory policy.
     remote_ttl_s: float | None = None
+    # Security (docs/SECURITY.md). The mode a new store directory is created with (its files get
+    # the same bits without execute): owner-only by default; e.g. "0750" shares it with a group.
+    # An existing store keeps its modes.
+    store_mode: int = fsmode.DEFAULT_DIR_MODE
+    # Secrets are never options themselves (vLLM logs this config): these name files holding
+    # them, or the environment gives them (kvstrata.auth). The disk tier's value MAC key
+    # ($KVSTRATA_AUTH_KEY), the shared tier's ($KVSTRATA_REMOTE_AUTH_KEY), the shared tier's
+    # password ($KVSTRATA_REMOTE_PASSWORD), and the CA bundle a rediss:// server's certificate
+    # must chain to (default: the system's).
+    auth_key_file: Path | None = None
+    remote_auth_key_file: Path | None = None
+    remote_password_file: Path | None = None
+    remote_tls_ca_file: Path | None = None
 
     def resolve_io_threads(self) -> int:
         """The number of disk read threads (``io_threads``, "auto" resolved here)."""
@@ -200,6 +214,17 @@ class StrataConfig:
                 "kvstrata options 'remote_connect_timeout_s' + 'remote_timeout_s' exceed 10 s: "
                 "a remote call that slow would stall serving; the shared tier is best effort"
             )
+        if cfg.remote_url is not None and cfg.remote_password_file is not None and (
+                parse_remote_url(cfg.remote_url).password is not None) and (
+                not parse_remote_url(cfg.remote_url).password_only):
+            raise ConfigError(
+                "kvstrata options 'remote_url' and 'remote_password_file' both give a password: "
+                "keep it in the file only (vLLM logs remote_url with the rest of this config)")
+        if cfg.remote_tls_ca_file is not None and cfg.remote_url is not None and (
+                not parse_remote_url(cfg.remote_url).tls):
+            raise ConfigError(
+                "kvstrata option 'remote_tls_ca_file' is set but 'remote_url' is not a TLS URL "
+                "(rediss://, valkeys://, rediss+cluster://)")
         if cfg.warm_start_bytes > cfg.host_bytes:
             raise ConfigError(
                 f"kvstrata option 'warm_start_bytes' ({cfg.warm_start_bytes} bytes) exceeds "
@@ -355,7 +380,27 @@ _VALIDATORS = {
     "remote_admission": _admission,
     "remote_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),
     "remote_ttl_s": _optional_seconds,
+    "store_mode": lambda k, v: _mode(k, v),
+    "auth_key_file": _optional_path,
+    "remote_auth_key_file": _optional_path,
+    "remote_password_file": _optional_path,
+    "remote_tls_ca_file": _optional_path,
 }
+
+
+def _mode(key: str, value: Any) -> int:
+    """A directory mode: an octal string ("0750", "750", "0o750") or an int (0o750)."""
+    mode: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    elif isinstance(value, str) and re.fullmatch(r"(?:0o?)?[0-7]{3}", value.strip(), re.ASCII):
+        mode = int(value.strip().removeprefix("0o"), 8)
+    if mode is None:
+        raise ConfigError(f"kvstrata option {key!r}: expected an octal mode such as \"0750\", got {_shown(value)}")
+    try:
+        return fsmode.check_dir_mode(mode)
+    except ValueError as exc:
+        raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
 
 
 def _seconds(key: str, value: Any) -> float:

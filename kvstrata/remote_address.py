@@ -13,7 +13,7 @@ Nothing here connects: a bad URL is refused at start-up with a message naming wh
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import unquote
 
 DEFAULT_PORT = 6379
@@ -41,6 +41,20 @@ class RemoteAddress:
     db: int = 0
     username: str | None = None
     password: str | None = field(default=None, repr=False)  # never in a repr or a log
+    # The URL's user part had no colon (``redis://word@host``): redis-py reads the word as a
+    # password, but with the password given elsewhere (``with_password``) it is the user name.
+    password_only: bool = field(default=False, repr=False, compare=False)
+
+    def with_password(self, password: str) -> RemoteAddress:
+        """This address with ``password`` from a file or the environment (kvstrata.auth):
+        ``redis://USER@host`` then names the ACL user. RemoteURLError when the URL holds a
+        password too."""
+        if self.password_only:
+            return replace(self, username=self.password, password=password, password_only=False)
+        if self.password is not None:
+            raise RemoteURLError("the URL holds a password and one is given from a file or the "
+                                 "environment too; keep it out of the URL (vLLM logs it)")
+        return replace(self, password=password)
 
     def redacted(self) -> str:
         """The URL without its password, for logs and statistics."""
@@ -98,7 +112,7 @@ def parse_remote_url(url: str) -> RemoteAddress:
             f"{shown}: several hosts need a cluster URL ({scheme}+cluster://...); "
             "a single server takes one host")
     return RemoteAddress(tuple(nodes), cluster=cluster, tls=tls, db=db, username=username,
-                         password=password)
+                         password=password, password_only=bool(at) and ":" not in auth)
 
 
 def _shown(url: str) -> str:

@@ -13,9 +13,52 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
+
 from kvstrata.tools.redis_local import START_TIMEOUT_S, RedisServer, cli_binary, free_port
 
-__all__ = ["RedisCluster", "RedisServer", "free_port"]
+__all__ = ["PasswordRedisServer", "RedisCluster", "RedisServer", "TLSRedisServer", "free_port", "make_ca"]
+
+
+def make_ca(workdir: Path, name: str) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate it signed for 127.0.0.1/localhost, made with the
+    ``openssl`` command: (CA certificate, server certificate, server key)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (workdir / f"{name}-{s}" for s in
+                                  ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    ext = workdir / f"{name}-ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+            "-days", "2", "-subj", f"/CN={name} test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+            "-subj", "/CN=localhost")
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return ca, cert, key
+
+
+class TLSRedisServer(RedisServer):
+    """A server that speaks TLS only (``--port 0 --tls-port``), its certificate signed by the
+    CA ``make_ca`` made; ``url`` is a ``rediss://``."""
+
+    def __init__(self, workdir: Path, *extra: str) -> None:
+        self.ca, cert, key = make_ca(workdir / "pki", "kvstrata")
+        port = free_port()
+        super().__init__(workdir, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+                         "--tls-key-file", str(key), "--tls-ca-cert-file", str(self.ca),
+                         "--tls-auth-clients", "no", *extra, port=port)
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, ssl=True,
+                           ssl_ca_certs=str(self.ca))
 
 
 class RedisCluster:
@@ -53,3 +96,23 @@ class RedisCluster:
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
+
+
+class PasswordRedisServer(RedisServer):
+    """A server with ``requirepass ADMIN_PASSWORD`` (the default user's) and an ACL user
+    ``kvstrata`` (``USER_PASSWORD``) allowed only the commands the shared tier sends, and only
+    on keys ``kvstrata:*``."""
+
+    ADMIN_PASSWORD = "admin-pw-0123456789"
+    USER_PASSWORD = "kv-user-pw-9876543210"
+    USER_COMMANDS = ("+get", "+set", "+exists", "+del", "+touch", "+ping", "+info",
+                     "+client|setname")
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir, "--requirepass", self.ADMIN_PASSWORD)
+        with self.client() as admin:
+            admin.acl_setuser("kvstrata", enabled=True, passwords=[f"+{self.USER_PASSWORD}"],
+                              keys=["kvstrata:*"], commands=list(self.USER_COMMANDS))
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=self.ADMIN_PASSWORD)

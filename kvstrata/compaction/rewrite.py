@@ -86,7 +86,7 @@ def read_only_reason(path: Path) -> str | None:
 def exclusive(path: Path) -> Iterator[None]:
     """Hold the store's lock file exclusively, or raise :class:`StoreBusyError` at once."""
     try:
-        fd = os.open(path / rec.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path / rec.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise RewriteError(read_only_reason(path) or
                            f"cannot open the lock file of {path}: {exc.strerror or exc}") from exc

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
+from kvstrata import auth, fsmode
 from kvstrata.config import StrataConfig
 from kvstrata.connector.keys import namespace_info
 from kvstrata.connector.metadata import StrataMetadata
@@ -62,6 +63,7 @@ def build_hierarchy(
     from kvstrata.tiers.hierarchy import DEFAULT_WRITE_INFLIGHT_BYTES, Hierarchy
     from kvstrata.tiers.host import HostPool, HostSlab, sweep_stale_slabs
 
+    disk_auth, remote_auth, remote_password = auth.read_secrets(cfg)  # before anything is opened
     # Engines killed without a clean shutdown leave their host tier behind in shared memory.
     stale = sweep_stale_slabs(os.path.dirname(plan.slab_path))
     if stale:
@@ -88,7 +90,9 @@ def build_hierarchy(
         disk = DiskStore(
             store_path, budget_bytes=cfg.disk_bytes, level=cfg.zstd_level, codec=cfg.codec,
             max_age_s=cfg.max_age_s, idle_writer=cfg.background_priority == "idle",
+            mode=cfg.store_mode, auth=disk_auth,
         )
+        fsmode.warn_if_readable(Path(store_path), logger)
         for rank, ns in enumerate(plan.namespaces):
             disk.register_namespace(ns, namespace_info(plan.identity, rank))
     remote = None
@@ -106,7 +110,8 @@ def build_hierarchy(
                 timeout_s=cfg.remote_timeout_s, write_timeout_s=cfg.remote_write_timeout_s,
                 max_connections=cfg.remote_max_connections,
                 probe_interval_s=cfg.remote_probe_interval_s, ttl_s=cfg.remote_ttl_s,
-                codec=cfg.codec, level=cfg.zstd_level)
+                codec=cfg.codec, level=cfg.zstd_level, auth=remote_auth, password=remote_password,
+                tls_ca_file=None if cfg.remote_tls_ca_file is None else str(cfg.remote_tls_ca_file))
     # (tier, admission, backpressure, write bytes in flight): the disk defers writes it cannot
     # take yet (up to its backlog); the shared tier drops them, so a slow server never holds
     # host slots.

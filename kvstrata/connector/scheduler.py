@@ -364,7 +364,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
                 remote_written_bytes=int(r["put_bytes"]), remote_hits=int(r["get_hits"]),
                 remote_errors=int(r["errors"]) + int(r["unavailable"]),
                 remote_unavailable_skips=int(r["skipped_unavailable"]),
-                remote_corrupt=int(r["corrupt"]),
+                remote_corrupt=int(r["corrupt"]), remote_forged=int(r.get("forged", 0)),
                 # Not written: the backlog was full, or the server did not take them.
                 remote_writes_dropped=int(r.get("writes_dropped", 0)) + int(r.get("writes_failed", 0)),
             )
@@ -376,6 +376,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
                 disk_admission_drops=int(d.get("admission_drops", 0)) + int(d.get("writes_dropped", 0)),
                 disk_errors=int(d.get("sync_errors", 0)) + int(d.get("writes_failed", 0)),
                 disk_corrupt=int(d.get("corrupt", 0)) + int(h.get("promotions_failed", 0)),
+                disk_forged=int(d.get("forged", 0)),
             )
         return out
 

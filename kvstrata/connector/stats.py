@@ -36,7 +36,7 @@ COUNTERS = {
 # Cumulative tier figures from the hierarchy (snapshots, not summed).
 GAUGES = (
     "host_chunks", "host_bytes", "disk_entries", "disk_raw_bytes", "disk_stored_bytes",
-    "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt",
+    "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt", "disk_forged",
     "promotions", "warm_promotions", "writes_behind",
     # The shared tier: whether it answers now, bytes moved, values served, and what went wrong
     # (errors: failed or refused calls; unavailable_skips: calls not made while it was down;
@@ -44,6 +44,8 @@ GAUGES = (
     # failed one is sent again once the server answers, and a clean shutdown writes them all).
     "remote_available", "remote_read_bytes", "remote_written_bytes", "remote_hits",
     "remote_errors", "remote_unavailable_skips", "remote_corrupt", "remote_writes_dropped",
+    # Values refused because their MAC was missing or wrong (auth keys; docs/SECURITY.md).
+    "remote_forged",
 )
 _OBS = "lookup_delay_s"
 

@@ -31,6 +31,8 @@ from kvstrata.tiers import codec
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+    from kvstrata.auth import ValueAuth
+
 FORMAT_VERSION = 1
 
 DB_PAYLOAD = b"payload"
@@ -57,13 +59,14 @@ FRAME_MISMATCH = "payload frame does not match the index record"
 GROUP_MISMATCH = "index record group differs from the key"
 CHECKSUM = "checksum mismatch (payload corrupt)"
 PAGE_DAMAGED = "store page unreadable (LMDB structure damaged)"
+FORGED = "authentication tag missing or wrong (not written with this store's auth key)"
 
 # Problems whose record can be deleted where it is: its payload, if any, is its own (a frame
 # whose header matches its index record and whose bytes rotted; a payload a crashed put left).
 # Any other problem may mean the record's page numbers point into another record's pages (a
 # damaged leaf): deleting it would free those pages and lose that record too, so such a record
 # is only left out (a miss), and ``kvstrata verify --repair`` rebuilds the store around it.
-IN_PLACE = frozenset({CHECKSUM, INDEX_UNREADABLE, PAYLOAD_MISSING, ORPHAN_PAYLOAD})
+IN_PLACE = frozenset({CHECKSUM, INDEX_UNREADABLE, PAYLOAD_MISSING, ORPHAN_PAYLOAD, FORGED})
 
 
 def deletable_in_place(problem: str) -> bool:
@@ -86,6 +89,9 @@ class IndexRecord(msgspec.Struct, array_like=True, frozen=True):
     tick: int  # last access, microseconds since the epoch (comparable across processes)
     group: int  # KV-cache group index: the last 4 bytes of the chunk key, big-endian
     dtype: str
+    # The value MAC (kvstrata.auth) over the key and the payload frame, written by a store with
+    # an auth key (auth_key_file); empty otherwise, and in records written before it existed.
+    mac: bytes = b""
 
 
 class Totals(msgspec.Struct, array_like=True):
@@ -146,10 +152,12 @@ def encode_index(rec: IndexRecord) -> bytes:
     return msgspec.msgpack.encode(rec)
 
 
-def index_record(key: bytes, info: codec.FrameInfo, stored_len: int, tick: int) -> IndexRecord:
-    """The index record of a frame stored under ``key``."""
+def index_record(key: bytes, info: codec.FrameInfo, stored_len: int, tick: int,
+                 mac: bytes = b"") -> IndexRecord:
+    """The index record of a frame stored under ``key`` (``mac``: its value MAC, if any)."""
     return IndexRecord(raw_len=info.raw_len, stored_len=stored_len, codec=info.codec,
-                       checksum=info.checksum, tick=tick, group=group_of(key), dtype=info.dtype)
+                       checksum=info.checksum, tick=tick, group=group_of(key), dtype=info.dtype,
+                       mac=mac)
 
 
 # ---- totals ----------------------------------------------------------------------------------
@@ -231,11 +239,13 @@ def delete(txn: lmdb.Transaction, h: Handles, key: bytes, totals: Totals) -> int
     return rec.stored_len
 
 
-def check_frame(rec: IndexRecord, key: bytes, payload: Buffer, *, decode: bool = True) -> str | None:
+def check_frame(rec: IndexRecord, key: bytes, payload: Buffer, *, decode: bool = True,
+                auth: ValueAuth | None = None) -> str | None:
     """The problem with ``payload`` as the frame indexed by ``rec`` under ``key``, or None.
 
     ``decode`` runs the full decompression and the key-bound checksum; without it only sizes,
-    the frame header and the index record are compared.
+    the frame header and the index record are compared. With ``auth``, a record whose MAC is
+    missing or wrong is ``FORGED``.
     """
     if len(memoryview(payload)) != rec.stored_len:
         return SIZE_MISMATCH
@@ -248,6 +258,8 @@ def check_frame(rec: IndexRecord, key: bytes, payload: Buffer, *, decode: bool =
         return FRAME_MISMATCH
     if rec.group != group_of(key):
         return GROUP_MISMATCH
+    if auth is not None and not auth.verify(key, payload, rec.mac):
+        return FORGED
     if decode:
         try:
             codec.decode_into(payload, codec.scratch(rec.raw_len), key=key, info=info)
@@ -256,7 +268,8 @@ def check_frame(rec: IndexRecord, key: bytes, payload: Buffer, *, decode: bool =
     return None
 
 
-def check(txn: lmdb.Transaction, h: Handles, key: bytes, *, decode: bool = True) -> tuple[bool, str | None]:
+def check(txn: lmdb.Transaction, h: Handles, key: bytes, *, decode: bool = True,
+          auth: ValueAuth | None = None) -> tuple[bool, str | None]:
     """``(present, problem)`` for ``key`` in a transaction opened with ``buffers=True``.
 
     ``present`` is False when neither an index record nor a payload exists (deleted meanwhile).
@@ -274,7 +287,7 @@ def check(txn: lmdb.Transaction, h: Handles, key: bytes, *, decode: bool = True)
     if payload is None:
         return True, PAYLOAD_MISSING
     try:
-        return True, check_frame(rec, key, payload, decode=decode)
+        return True, check_frame(rec, key, payload, decode=decode, auth=auth)
     except LMDB_DAMAGE:
         return True, PAGE_DAMAGED
 
@@ -303,10 +316,12 @@ def check_all(read: Callable[[Callable[[lmdb.Transaction, Handles], Any]], Any],
     return out
 
 
-def read_into(txn: lmdb.Transaction, h: Handles, key: bytes, out: Buffer) -> int | str | None:
+def read_into(txn: lmdb.Transaction, h: Handles, key: bytes, out: Buffer,
+              auth: ValueAuth | None = None) -> int | str | None:
     """Decode ``key``'s frame into ``out`` (the serving read): the bytes written, None for a
     miss, or the problem with the record (never wrong bytes: the frame must match its index
-    record and decode under its own key). ValueError when ``out`` is too small."""
+    record, carry a MAC ``auth`` accepts when given, and decode under its own key). ValueError
+    when ``out`` is too small."""
     try:
         value = txn.get(key, db=h.index)
         if value is None:
@@ -325,6 +340,8 @@ def read_into(txn: lmdb.Transaction, h: Handles, key: bytes, out: Buffer) -> int
             return FRAME_UNREADABLE
         if (info.raw_len, info.checksum) != (rec.raw_len, rec.checksum):
             return FRAME_MISMATCH
+        if auth is not None and not auth.verify(key, payload, rec.mac):
+            return FORGED
         try:
             return codec.decode_into(payload, out, key=key, info=info)
         except codec.CorruptRecord:

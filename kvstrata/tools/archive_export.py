@@ -129,7 +129,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         _, total_bytes = _count(store, ns)
         skipped: list[_Bad] = []
-        with open(tmp, "wb") as out, ts.progress(total_bytes, "exporting", unit_bytes=True) as bar:
+        # Owner-only, like a store: an archive holds every exported prompt's KV.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out, \
+                ts.progress(total_bytes, "exporting", unit_bytes=True) as bar:
             writer = ArchiveWriter(out, manifest)
             for item in _records(store, ns, args.threads):
                 if isinstance(item, _Bad):

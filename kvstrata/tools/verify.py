@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import lmdb
 
+from kvstrata import fsmode
 from kvstrata.compaction import rewrite
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
@@ -271,6 +272,13 @@ def rebuild(path: Path) -> dict[str, Any]:
     return {"kept": result.kept, "left_out": result.left_out}
 
 
+def _exposed(path: Path) -> list[str]:
+    lines = fsmode.exposed(path)
+    for line in lines:
+        ts.warn("verify", f"{line}: the store holds every cached prompt's KV; chmod it (0700 / 0600)")
+    return lines
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     found = find_problems(args.dir, args.threads)
     report: dict[str, Any] = {
@@ -287,6 +295,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "totals_consistent": found.totals_consistent,
         "unreadable_namespace_entries": [ns.hex() for ns in found.bad_namespaces],
         "structure_damage": found.structure,
+        # Not damage (the exit status stays), but every cached prompt is readable to others.
+        "readable_by_others": _exposed(args.dir),
     }
     if args.repair and args.rebuild:
         report["rebuilt"] = rebuild(args.dir)

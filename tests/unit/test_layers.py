@@ -16,7 +16,7 @@ import kvstrata
 
 ROOT = Path(kvstrata.__file__).parent
 LAYERS = {"tools": 4, "compaction": 3, "connector": 2, "tiers": 1, "semantics": 0, "config": 0,
-          "presence": 0, "remote_address": 0}
+          "presence": 0, "remote_address": 0, "auth": 0, "fsmode": 0}
 
 
 def _modules() -> dict[str, Path]:

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from kvstrata import fsmode
 from kvstrata.tiers import records as rec
 
 log = logging.getLogger(__name__)
@@ -118,11 +120,15 @@ class StoreEnv:
     ``first`` tells whether this writable opener was the only one when it opened (only then does
     a cleared clean marker mean the last session ended without ``close()``); ``unclean`` is that
     verdict. ``on_map_resized`` is called after adopting a map grown by another process.
+    ``mode``: a directory this creates gets it, the files it creates the same bits without
+    execute (``kvstrata.fsmode``); what exists keeps its modes.
     """
 
-    def __init__(self, path: Path, *, map_size: int, create: bool, readonly: bool) -> None:
+    def __init__(self, path: Path, *, map_size: int, create: bool, readonly: bool,
+                 mode: int = fsmode.DEFAULT_DIR_MODE) -> None:
         self.path = path
         self.readonly = readonly
+        self._mode = mode
         self.unclean = False
         self.map_resized = 0
         self._gate = _Gate()
@@ -156,7 +162,7 @@ class StoreEnv:
             if not create or self.readonly:
                 raise StoreUnavailableError(f"no store at {path}: the directory does not exist (create=False)")
             try:
-                path.mkdir(parents=True, exist_ok=True)
+                fsmode.make_dirs(path, self._mode)
             except OSError as exc:
                 raise StoreUnavailableError(f"cannot create store directory {path}: {exc.strerror or exc}") from exc
         if not path.is_dir():
@@ -166,13 +172,15 @@ class StoreEnv:
         data = path / rec.DATA_FILE
         if not data.exists() and (not create or self.readonly):
             raise StoreUnavailableError(f"no store at {path}: {rec.DATA_FILE} is missing (create=False)")
-        if data.exists() and data.stat().st_size == 0:
+        # Empty: a failed copy, or a store another opener is creating right now (its files are
+        # made before LMDB writes its first pages, see _open_env): a creating opener joins it.
+        if data.exists() and data.stat().st_size == 0 and (not create or self.readonly):
             raise StoreFormatError(f"{data} is empty: not a kvstrata store (a failed copy?)")
 
     def _take_lock(self) -> bool:
         """Share a lock file with the other writable openers; True when we are the only one."""
         try:
-            fd = os.open(self.path / rec.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._create(rec.LOCK_FILE)
         except OSError as exc:
             raise StoreUnavailableError(f"store directory {self.path} is not writable: {exc.strerror}") from exc
         self._lock_fd = fd
@@ -183,12 +191,32 @@ class StoreEnv:
             fcntl.flock(fd, fcntl.LOCK_SH)
             return False
 
+    def _create(self, name: str) -> int:
+        """Open the store file ``name``, created with the store's file mode when missing (an
+        existing store's: that of its data file, e.g. a lock table a compaction removed)."""
+        mode = fsmode.file_mode(self._mode)
+        with contextlib.suppress(OSError):
+            mode = stat.S_IMODE((self.path / rec.DATA_FILE).stat().st_mode)
+        try:
+            fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            return os.open(self.path / name, os.O_RDWR)
+        os.fchmod(fd, mode)  # exactly: the umask may have removed a group bit store_mode asked for
+        return fd
+
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing drops the flock
             self._lock_fd = None
 
     def _open_env(self, map_size: int, create: bool) -> lmdb.Environment:
+        if create and not self.readonly:
+            # LMDB creates data.mdb and lock.mdb with 0644 less the umask: make them ours first.
+            for name in (rec.DATA_FILE, rec.LMDB_LOCK_FILE):
+                try:
+                    os.close(self._create(name))
+                except OSError as exc:
+                    raise StoreUnavailableError(f"cannot create {self.path / name}: {exc.strerror or exc}") from exc
         try:
             return lmdb.open(
                 str(self.path), map_size=map_size, subdir=True, readonly=self.readonly,
@@ -198,6 +226,7 @@ class StoreEnv:
                 writemap=False,  # slower with sync and pre-sizes the file to map_size
                 readahead=True,  # readahead off makes cold large values ~10x slower
                 meminit=False, max_dbs=4, max_readers=512, max_spare_txns=16, lock=True,
+                mode=fsmode.file_mode(self._mode),
             )
         except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.IncompatibleError,
                 lmdb.CorruptedError) as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import lmdb
 
@@ -17,19 +18,22 @@ from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreUnavailableError
 from kvstrata.tiers.disk.writer import Counters, Writer
 
+if TYPE_CHECKING:
+    from kvstrata.auth import ValueAuth
+
 log = logging.getLogger(__name__)
 
 _BATCH = 256  # records checked per read transaction
 
 
-def drop_if_bad(writer: Writer, keys: list[bytes], counter: str) -> int:
+def drop_if_bad(writer: Writer, keys: list[bytes], counter: str, auth: ValueAuth | None = None) -> int:
     """On the writer thread: re-check ``keys`` (one may have been rewritten since it was found
     bad) and delete those still bad, keeping the totals exact (recounted when an unreadable index
     record goes, since it was never counted reliably)."""
     h = writer.h
 
     def body(txn: lmdb.Transaction) -> int:
-        problems = {key: rec.check(txn, h, key)[1] for key in keys}
+        problems = {key: rec.check(txn, h, key, auth=auth)[1] for key in keys}
         bad = [key for key, problem in problems.items() if problem is not None]
         for key in bad:
             if not rec.deletable_in_place(problems[key]):  # type: ignore[arg-type]

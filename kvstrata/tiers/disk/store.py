@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import lmdb
 import msgspec
 
+from kvstrata import fsmode
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
@@ -34,6 +35,8 @@ from kvstrata.tiers.disk.writer import Counters, PutJob, Writer, now_us
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+    from kvstrata.auth import ValueAuth
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,10 @@ class DiskStore:
     whenever the writer evicts, chunks idle longer than this go first. ``idle_writer``: the
     writer and sync threads run at idle CPU priority (a serving engine's store; reads are
     unaffected). ``readonly=True`` opens an existing store for reads only (no writer thread, no ticks).
+    ``mode``: the directory mode a new store is created with (files: the same bits without
+    execute; ``kvstrata.fsmode``). ``auth``: every record written carries a MAC under it, and a
+    record whose MAC is missing or wrong is a counted miss (``forged``) and is dropped (a store
+    on shared storage others can write to; docs/SECURITY.md).
     Every method is thread-safe.
     """
 
@@ -77,6 +84,8 @@ class DiskStore:
         full_retry_s: float = 30.0,
         max_age_s: float | None = None,
         idle_writer: bool = False,
+        mode: int = fsmode.DEFAULT_DIR_MODE,
+        auth: ValueAuth | None = None,
     ) -> None:
         if codec not in ("auto", "raw"):
             raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
@@ -93,7 +102,8 @@ class DiskStore:
         self._close_lock = threading.Lock()
         self._closed = False
         self._logged_damage: set[str] = set()
-        self._env = StoreEnv(self.path, map_size=map_size, create=create, readonly=readonly)
+        self._auth = auth
+        self._env = StoreEnv(self.path, map_size=map_size, create=create, readonly=readonly, mode=mode)
         self.h = self._env.handles
         self.unclean_shutdown = self._env.unclean
         self._writer: Writer | None = None
@@ -142,7 +152,7 @@ class DiskStore:
             self._counts.bump("misses")
             return None
         try:
-            result = self._env.txn(lambda txn: rec.read_into(txn, self.h, key, out), buffers=True)
+            result = self._env.txn(lambda txn: rec.read_into(txn, self.h, key, out, self._auth), buffers=True)
         except ValueError as exc:  # out too small: a layout mismatch, never a crash
             log.debug("get_into(%s): %s", key.hex(), exc)
             self._counts.bump("size_mismatch")
@@ -332,7 +342,8 @@ class DiskStore:
                 self._touch([key])
                 continue
             frame = codec.encode(data, dtype, key=key, level=self._level, mode=self._codec_mode)
-            job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future())
+            mac = b"" if self._auth is None else self._auth.tag(key, frame)
+            job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future(), mac)
             if not writer.submit(job):
                 self._counts.bump("admission_drops")
                 continue
@@ -425,6 +436,15 @@ class DiskStore:
             self._writer.touch(keys, self._next_tick())
 
     def _on_corrupt(self, key: bytes, problem: str) -> None:
+        if problem == rec.FORGED:
+            self._counts.bump("forged")
+            self._counts.bump("misses")
+            log.warning("store at %s: record %s not served: %s; counted as forged and dropped",
+                        self.path, key.hex(), problem)
+            writer = self._writer
+            if writer is not None:
+                writer.call_soon(lambda: drop_if_bad(writer, [key], "forged_dropped", self._auth))
+            return
         self._counts.bump("corrupt")
         self._counts.bump("misses")
         log.warning("store at %s: corrupt record %s (%s); treated as a miss", self.path, key.hex(), problem)

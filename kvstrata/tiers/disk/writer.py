@@ -44,7 +44,8 @@ COUNTERS = (
     "hits", "misses", "lookups", "corrupt", "corrupt_dropped", "size_mismatch", "puts",
     "put_present", "deletes", "evictions", "evicted_bytes", "admission_drops", "too_large_drops",
     "full_events", "map_resized", "tick_flushes", "sync_errors", "recovery_checked",
-    "recovery_dropped", "totals_recounted", "index_unreadable", "quarantined",
+    "recovery_dropped", "totals_recounted", "index_unreadable", "quarantined", "forged",
+    "forged_dropped",
 )
 
 
@@ -71,6 +72,7 @@ class PutJob:
     info: codec.FrameInfo
     tick: int
     future: Future[bool]
+    mac: bytes = b""  # the value MAC (kvstrata.auth) of a store with an auth key
 
 
 @dataclass(slots=True)
@@ -399,7 +401,7 @@ class Writer:
             expire = None if self._max_age_us is None else now_us() - self._max_age_us
             victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
             outcome.evicted, outcome.evicted_bytes = self.delete(txn, totals, victims)
-        rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick), totals)
+        rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick, job.mac), totals)
         outcome.written = True
         return outcome
 

@@ -63,4 +63,8 @@ class Breaker:
 
 def describe(exc: BaseException) -> str:
     """``Type: message``, or the type alone (asyncio's TimeoutError has no message)."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        text += (" -- the server's TLS certificate is not signed by a CA this replica trusts "
+                 "(option remote_tls_ca_file), or not issued for this host name")
+    return text

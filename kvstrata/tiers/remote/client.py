@@ -26,13 +26,17 @@ T = TypeVar("T")
 
 
 def make_client(address: RemoteAddress, *, connect_timeout_s: float, timeout_s: float,
-                max_connections: int) -> Redis | RedisCluster:
-    """A client for ``address`` (call on the loop that will use it). Nothing connects yet."""
+                max_connections: int, tls_ca_file: str | None = None) -> Redis | RedisCluster:
+    """A client for ``address`` (call on the loop that will use it). Nothing connects yet.
+    TLS verifies the server's certificate (against ``tls_ca_file``, else the system's CAs) and
+    its host name."""
     common: dict[str, Any] = dict(
         socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s,
         retry=Retry(NoBackoff(), 0), username=address.username, password=address.password,
         client_name="kvstrata",
     )
+    if address.tls:
+        common.update(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=tls_ca_file)
     if address.cluster:
         return RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in address.nodes], ssl=address.tls,

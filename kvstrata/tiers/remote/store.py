@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
+from kvstrata.auth import ValueAuth, is_sealed
 from kvstrata.remote_address import RemoteAddress, parse_remote_url
 from kvstrata.tiers import codec
 from kvstrata.tiers.remote import client as rc
@@ -51,7 +52,7 @@ _UNAVAILABLE = (rex.ConnectionError, rex.TimeoutError, rex.BusyLoadingError, rex
 COUNTERS = (
     "lookups", "lookup_keys", "lookup_found", "gets", "get_hits", "get_gone", "get_bytes",
     "get_raw_bytes", "puts", "put_bytes", "put_raw_bytes", "put_failed", "corrupt", "deleted",
-    "touches", "errors", "unavailable", "skipped_unavailable",
+    "touches", "errors", "unavailable", "skipped_unavailable", "forged", "sealed_skipped",
 )
 
 
@@ -77,6 +78,14 @@ class RemoteStore:
         ttl_s: expire values after this long (None: only the server's eviction removes them).
         codec: "auto" (byte planes + zstd, as on disk) or "raw".
         level: zstd level.
+        auth: with it, every value written is ``MAGIC + MAC + frame`` (``kvstrata.auth``) and a
+            value read is served only if its MAC is this secret's for its key and bytes; any
+            other (no MAC, another secret's, forged) is a counted miss (``forged``) and is
+            deleted. Without it, values carrying a MAC are misses left in place
+            (``sealed_skipped``): this replica cannot check them.
+        password: the password (from a file or the environment; ``RemoteAddress.with_password``).
+        tls_ca_file: the CA bundle a TLS server's certificate must chain to (default: the
+            system's); the host name is checked too.
     """
 
     tier_name = "remote"
@@ -94,8 +103,14 @@ class RemoteStore:
         codec: str = "auto",
         level: int = 1,
         key_prefix: bytes = KEY_PREFIX,
+        auth: ValueAuth | None = None,
+        password: str | None = None,
+        tls_ca_file: str | None = None,
     ) -> None:
         self.address = parse_remote_url(url) if isinstance(url, str) else url
+        if password is not None:
+            self.address = self.address.with_password(password)
+        self._auth = auth
         self.url = self.address.redacted()
         self._mode = codec
         self._level = level
@@ -115,7 +130,8 @@ class RemoteStore:
 
         async def create(timeout: float) -> Any:
             return rc.make_client(self.address, connect_timeout_s=connect_timeout_s,
-                                  timeout_s=timeout, max_connections=max_connections)
+                                  timeout_s=timeout, max_connections=max_connections,
+                                  tls_ca_file=tls_ca_file)
 
         self._client = self._loop.submit(create(timeout_s)).result(10)
         self._writer = self._loop.submit(create(write_timeout_s)).result(10)
@@ -142,14 +158,27 @@ class RemoteStore:
             return [None] * len(items)
         out: list[int | None] = []
         bad: list[bytes] = []
-        got = gone = got_bytes = raw = 0
+        forged: list[bytes] = []
+        got = gone = got_bytes = raw = sealed = 0
         for (key, buf), value in zip(items, values, strict=True):
             if value is None:
                 gone += 1
                 out.append(None)
                 continue
+            frame: Any = value
+            if self._auth is not None:
+                frame = self._auth.open(key, value)
+                if frame is None:  # checked before a byte of it is decoded or served
+                    self._forged(key)
+                    forged.append(key)
+                    out.append(None)
+                    continue
+            elif is_sealed(value):
+                sealed += 1
+                out.append(None)
+                continue
             try:
-                n = codec.decode_into(value, buf, key=key)
+                n = codec.decode_into(frame, buf, key=key)
             except (codec.CorruptRecord, ValueError) as exc:
                 logger.warning("kvstrata: %s: value of %s is damaged (%s); deleted",
                                self.url, self._rkey(key).decode(), exc)
@@ -161,9 +190,9 @@ class RemoteStore:
             raw += n
             out.append(n)
         self._bump(gets=len(items), get_hits=got, get_gone=gone, get_bytes=got_bytes,
-                   get_raw_bytes=raw, corrupt=len(bad))
-        if bad:
-            self._delete(bad, wait=False)
+                   get_raw_bytes=raw, corrupt=len(bad), forged=len(forged), sealed_skipped=sealed)
+        if bad or forged:
+            self._delete(bad + forged, wait=False)
         return out
 
     def put_many(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> int:
@@ -172,7 +201,8 @@ class RemoteStore:
         if not self._breaker.up:  # before the encoding: nothing will be sent
             self._bump(skipped_unavailable=1, put_failed=len(entries))
             return 0
-        frames = [(self._rkey(key), codec.encode(data, dtype, key=key, level=self._level, mode=self._mode))
+        frames = [(self._rkey(key), self._value(key, codec.encode(data, dtype, key=key, level=self._level,
+                                                                 mode=self._mode)))
                   for key, data, dtype in entries]
         done = (self._call(rc.set_many(self._writer, frames, self._ttl_ms), None, self._write_deadline)
                 or [False] * len(frames))
@@ -232,6 +262,17 @@ class RemoteStore:
         return self._call(self._client.info(), None)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _value(self, key: bytes, frame: bytes) -> bytes:
+        return frame if self._auth is None else self._auth.seal(key, frame)
+
+    def _forged(self, key: bytes) -> None:
+        if "forged" not in self._error_kinds:  # once: a flood of forged values must not flood logs
+            self._error_kinds.add("forged")
+            logger.warning("kvstrata: %s: value of %s has no valid MAC for this replica's auth key "
+                           "(written without it, by a replica with another key, or forged); not "
+                           "served, deleted, counted as remote_forged (logged once)",
+                           self.url, self._rkey(key).decode())
 
     def _rkey(self, key: bytes) -> bytes:
         return remote_key(key, self._prefix)
