@@ -10,7 +10,9 @@ Two parts, each measured side by side in one run (alternating, so a noisy neighb
    promoter does (``get_many_into`` per chunk, on ``--threads`` reader threads like its read pool)
    against one pipelined redis-py GET of all the raw values. ``remote_load_vs_raw_get`` is the
    ratio of the rates (MB/s of raw KV), ``bytes_vs_raw`` what the server holds for kvstrata over
-   the raw KV bytes.
+   the raw KV bytes. ``remote_load_mac_vs_no_mac``: the same load through a store with an auth
+   key (every value's MAC checked before it is decoded; docs/SECURITY.md), its rate over the
+   rate without one.
 2. **First token** (skipped with ``--quick``). SmolLM2 on vLLM (multiprocess engine, as ``bench
    e2e``): one process computes the prompt with the remote tier and a local store (filling both),
    then per round, in alternating order, a fresh engine with an empty local store and an empty
@@ -63,6 +65,7 @@ BLOCK_TOKENS = 128
 TOKEN_BYTES = SMOLLM2_LAYERS * 2 * SMOLLM2_KV_HEADS * SMOLLM2_HEAD_SIZE * 2  # 23040
 RAW_PREFIX = b"kvstrata-bench:raw:"
 GOALS = {"remote_load_vs_raw_get": (">=", 0.8), "bytes_vs_raw": ("<=", 0.7),
+         "remote_load_mac_vs_no_mac": (">=", 0.9),
          "remote_ttft_vs_disk_ttft": ("<=", 1.3), "remote_ttft_vs_cold": ("<=", 0.1)}
 GOAL_MIN_TOKENS = 4096  # the TTFT goals are stated for 4096-token prompts
 
@@ -144,6 +147,7 @@ def _mbps(nbytes: int, seconds: float) -> float:
 
 
 def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> dict[str, Any]:
+    from kvstrata.auth import ValueAuth
     from kvstrata.config import StrataConfig
     from kvstrata.tiers.remote import RemoteStore
 
@@ -156,6 +160,8 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
     # store keys: 16-byte namespace + 32-byte block hash + 4-byte group, like the connector's
     ns = os.urandom(16)  # a run of its own: nothing of an earlier run (or engine) is read
     keys = [ns + i.to_bytes(32, "big") + (0).to_bytes(4, "big") for i in range(n_chunks)]
+    mac_ns = os.urandom(16)  # the same chunks, written and read with an auth key
+    mac_keys = [mac_ns + k[16:] for k in keys]
     raw_keys = [RAW_PREFIX + ns.hex().encode() + b":%d" % i for i in range(n_chunks)]
     threads = args.threads or StrataConfig().resolve_io_threads()
 
@@ -163,6 +169,9 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
     # Timeouts far above the serving defaults: a busy 2-core machine must not turn into misses.
     store = RemoteStore(url, codec=args.codec, level=args.level, connect_timeout_s=5.0,
                         timeout_s=30.0, write_timeout_s=30.0, max_connections=max(16, threads))
+    mac_store = RemoteStore(url, codec=args.codec, level=args.level, connect_timeout_s=5.0,
+                            timeout_s=30.0, write_timeout_s=30.0, max_connections=max(16, threads),
+                            auth=ValueAuth(os.urandom(32)))
     sink = np.empty(total, dtype=np.uint8)
     outs = [memoryview(sink[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
     pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-remote-read")
@@ -176,6 +185,10 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
                 raise RuntimeError(f"the server stored {stored} of {len(keys[i:i + 4])} chunks: "
                                    f"{store.stats()}")
         put_s = time.perf_counter() - t
+        for i in range(0, n_chunks, 4):
+            if mac_store.put_many([(k, c, "bfloat16") for k, c in
+                                   zip(mac_keys[i:i + 4], chunks[i:i + 4], strict=True)]) != len(mac_keys[i:i + 4]):
+                raise RuntimeError(f"the server did not store every authenticated chunk: {mac_store.stats()}")
         pipe = plain.pipeline(transaction=False)
         for k, c in zip(raw_keys, chunks, strict=True):
             pipe.set(k, c)
@@ -187,6 +200,14 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
             sink.fill(1)  # a touched destination, like the host slab
             t0 = time.perf_counter()
             got = list(pool.map(lambda i: store.get_many_into([(keys[i], outs[i])])[0],
+                                range(n_chunks)))
+            s = time.perf_counter() - t0
+            return s, all(g == chunk_bytes for g in got) and bool(np.array_equal(sink, flat))
+
+        def kvstrata_mac_load() -> tuple[float, bool]:
+            sink.fill(1)
+            t0 = time.perf_counter()
+            got = list(pool.map(lambda i: mac_store.get_many_into([(mac_keys[i], outs[i])])[0],
                                 range(n_chunks)))
             s = time.perf_counter() - t0
             return s, all(g == chunk_bytes for g in got) and bool(np.array_equal(sink, flat))
@@ -215,17 +236,19 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
             s = time.perf_counter() - t0
             return s, all(v is not None and v == c for v, c in zip(values, chunks, strict=True))
 
-        contenders = [("kvstrata", kvstrata_load), ("raw", plain_get), ("raw_threads", plain_get_threads)]
+        contenders = [("kvstrata", kvstrata_load), ("raw", plain_get), ("raw_threads", plain_get_threads),
+                      ("kvstrata_mac", kvstrata_mac_load)]
         for _, fn in contenders:  # warm every path (connections, thread-local zstd contexts)
             fn()
         rounds = []
         for r in range(repeats):
             rr: dict[str, Any] = {}
-            for name, fn in contenders[r % 3:] + contenders[:r % 3]:  # each goes first in turn
+            for name, fn in contenders[r % 4:] + contenders[:r % 4]:  # each goes first in turn
                 s, ok = fn()
                 rr[f"{name}_s"], rr[f"{name}_ok"] = s, ok
             rr["ratio"] = rr["raw_s"] / rr["kvstrata_s"]
             rr["ratio_threads"] = rr["raw_threads_s"] / rr["kvstrata_s"]
+            rr["ratio_mac"] = rr["kvstrata_s"] / rr["kvstrata_mac_s"]
             rounds.append(rr)
         stats = store.stats()
         server = server_figures(plain)
@@ -235,6 +258,9 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
             c.close()
         with contextlib.suppress(Exception):
             store.delete_many(keys)
+        with contextlib.suppress(Exception):
+            mac_store.delete_many(mac_keys)
+        mac_store.close()
         with contextlib.suppress(Exception):
             plain.delete(*raw_keys)
         store.close()
@@ -246,13 +272,16 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
         "remote_load_vs_raw_get": round(statistics.median(r["ratio"] for r in rounds), 3),
         "remote_load_MBps": _mbps(total, kv_s),
         "raw_get_MBps": _mbps(total, raw_s),
+        "remote_load_mac_vs_no_mac": round(statistics.median(r["ratio_mac"] for r in rounds), 3),
+        "remote_load_mac_MBps": _mbps(total, statistics.median(r["kvstrata_mac_s"] for r in rounds)),
         "bytes_vs_raw": round(stats["put_bytes"] / stats["put_raw_bytes"], 4),
         "load": {
             # A stronger plain baseline than the one pipeline: a GET per chunk on the same
             # threads, each with a connection of its own (not a goal; for reading the ratio).
             "remote_load_vs_raw_get_threads": round(statistics.median(r["ratio_threads"] for r in rounds), 3),
             "raw_get_threads_MBps": _mbps(total, raw_threads_s),
-            "verified": all(r["kvstrata_ok"] and r["raw_ok"] and r["raw_threads_ok"] for r in rounds)
+            "verified": all(r["kvstrata_ok"] and r["raw_ok"] and r["raw_threads_ok"] and r["kvstrata_mac_ok"]
+                            for r in rounds)
             and nkeys == n_chunks,
             "tokens": tokens, "chunks": n_chunks, "chunk_bytes": chunk_bytes, "raw_bytes": total,
             "stored_bytes": stats["put_bytes"], "server_value_bytes": strlen_sum,
@@ -484,5 +513,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not ok:
         out["_exit_code"] = 1
     # the headline figures first
-    head = ("remote_load_vs_raw_get", "bytes_vs_raw", "remote_ttft_vs_disk_ttft", "remote_ttft_vs_cold")
+    head = ("remote_load_vs_raw_get", "bytes_vs_raw", "remote_load_mac_vs_no_mac", "remote_ttft_vs_disk_ttft",
+            "remote_ttft_vs_cold")
     return {**{k: out[k] for k in head if k in out}, **{k: v for k, v in out.items() if k not in head}}

@@ -18,14 +18,15 @@ def test_bench_remote_options() -> None:
 def test_bench_remote_quick_json(capsys) -> None:
     assert main(["bench", "remote", "--quick", "--json", "--tokens", "256"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("remote_load_vs_raw_get", "bytes_vs_raw", "remote_load_MBps", "raw_get_MBps"):
+    for key in ("remote_load_vs_raw_get", "bytes_vs_raw", "remote_load_MBps", "raw_get_MBps",
+                "remote_load_mac_vs_no_mac", "remote_load_mac_MBps"):
         assert out[key] > 0, key
     assert out["bytes_vs_raw"] < 1.0  # the synthetic KV compresses
     assert out["load"]["verified"] is True
     assert out["load"]["chunks"] == 2 and out["tokens"] == 256
     assert out["first_token"] == "skipped (--quick)"
     assert "remote_ttft_vs_disk_ttft" not in out
-    assert set(out["goals"]) == {"remote_load_vs_raw_get>=0.8", "bytes_vs_raw<=0.7",
+    assert set(out["goals"]) == {"remote_load_vs_raw_get>=0.8", "bytes_vs_raw<=0.7", "remote_load_mac_vs_no_mac>=0.9",
                                  "remote_ttft_vs_disk_ttft<=1.3", "remote_ttft_vs_cold<=0.1"}
     assert out["goals"]["remote_ttft_vs_disk_ttft<=1.3"] is None  # not measured, not failed
     assert out["server"]["how"].startswith("started by the bench")
