@@ -1,0 +1,183 @@
+"""Isolation end to end on real engines and a real Redis server (docs/SECURITY.md):
+
+* requests with different ``cache_salt`` never share a hit in any tier: the host tier (one
+  engine), the disk and a warm start (a restarted engine), the shared tier (another engine),
+  prompt tails included (the llama case serves them; the prompts end mid-block);
+* a value forged by a writer without the secret — another checkpoint made to look like the same
+  model (same path, file names, sizes and mtimes, so the same namespace) writing its KV to the
+  server — and values written by a replica with another secret are never served: each request
+  still equals its recomputation by vLLM alone (the equivalence oracle: first-token logprobs).
+
+Two engine processes. (1) the reference (vLLM alone), engine A (secret A) serving the prompts
+under two salts, then, with the other checkpoint swapped in under the model's path while A's
+process waits, engine F (no secret) computing other prompts, which reach the server unsigned.
+(2) with the real checkpoint back: A restarted with a warm start, engine C (secret A, empty
+local store) and engine B (secret B, empty local store).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_harness import (
+    CASES,
+    JOB_TIMEOUT_S,
+    dump,
+    generate_step,
+    metric,
+    namespaces_of,
+    steps_by_name,
+)
+from equivalence import (
+    EQ_MAX_TOKENS,
+    compare_step,
+    divergences,
+    reference_step,
+    references_of,
+    summary,
+)
+from redis_server import RedisServer
+
+from kvstrata.tools import models
+from kvstrata.tools.jobs import run_jobs_subprocess
+
+CASE = CASES["llama"]  # float32, 128-token blocks, prompt tails served
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(n)] for n in lengths]
+
+
+P = _prompts(31, [2, 129, 200, 258])  # tails: all of a 2-token prompt, 1, 72 and 2 tokens
+Q = _prompts(32, [130, 256, 301])  # what the forger computes with the other checkpoint
+
+
+def _gen(name: str, prompts: list[list[int]], salt: str | None) -> dict[str, Any]:
+    return {**generate_step(name, prompts, EQ_MAX_TOKENS), "cache_salt": salt}
+
+
+def _cached(step: dict[str, Any]) -> int:
+    return sum(o["num_cached_tokens"] for o in step["outputs"])
+
+
+def _secret(path: Path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o600)
+    return str(path)
+
+
+def _swap_in(src: Path, dst: Path, like: Path) -> None:
+    """Put checkpoint ``src`` at ``dst`` with the mtimes of ``like``'s files of the same names."""
+    shutil.move(str(src), str(dst))
+    for f in dst.rglob("*"):
+        twin = like / f.relative_to(dst)
+        if f.is_file() and twin.is_file():
+            st = twin.stat()
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.slow
+def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    t0 = time.monotonic()
+    model_dir = CASE.build(tmp_path / "model", 0)
+    fake_dir = CASE.build(tmp_path / "fake", 1)  # other weights, same names and sizes
+    real_aside = tmp_path / "real-aside"
+    key_a = _secret(tmp_path / "a.key", "replica-secret-A-0123456789abcdef")
+    key_b = _secret(tmp_path / "b.key", "replica-secret-B-0123456789abcdef")
+    remote = {"remote_url": redis_server.url, "remote_timeout_s": 1.0}
+    with_a = {**remote, "remote_auth_key_file": key_a}
+
+    def engine(store: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+        return asdict(CASE.options(model_dir, None if store is None else tmp_path / store, extra_config=extra))
+
+    a_done, swapped = tmp_path / "a_done", tmp_path / "swapped"
+    jobs1 = [
+        {"engine": engine(None, {}), "steps": [reference_step("ref", P + Q, EQ_MAX_TOKENS)]},
+        {"engine": engine("store_a", with_a), "steps": [
+            _gen("a_x", P, "tenant-x"),
+            _gen("a_y", P, "tenant-y"),  # tenant x's chunks and tails are in the host tier
+            {"op": "reset_prefix_cache"},
+            _gen("a_x_again", P, "tenant-x"),  # the control: x's own chunks are served
+            {"op": "signal", "path": str(a_done)},
+            {"op": "wait_for", "path": str(swapped), "timeout_s": 120}]},
+        {"engine": engine("store_f", remote), "steps": [_gen("f_q", Q, None)]},
+    ]
+
+    def on_progress(msg: str) -> None:
+        if "waiting for" in msg and str(swapped) in msg and not swapped.exists():
+            assert a_done.exists()
+            shutil.move(str(model_dir), str(real_aside))
+            _swap_in(fake_dir, model_dir, real_aside)
+            swapped.touch()
+
+    try:
+        ref, a, f = (steps_by_name(r) for r in run_jobs_subprocess(
+            jobs1, timeout_s=JOB_TIMEOUT_S, progress=on_progress, log_path=tmp_path / "one.log"))
+    finally:
+        if real_aside.exists():  # the real checkpoint back, as it was
+            shutil.rmtree(model_dir, ignore_errors=True)
+            shutil.move(str(real_aside), str(model_dir))
+    t1 = time.monotonic()
+    refs = references_of([(P + Q, ref["ref"])])
+
+    def check(step: dict[str, Any], prompts: list[list[int]]) -> None:
+        verdicts = compare_step(refs, step, prompts)
+        assert not divergences(verdicts), "\n".join(divergences(verdicts))
+        print(f"{step['name']}: {summary(verdicts)}; kvstrata hit tokens "
+              + str({k or "all": metric(step, f"kvstrata_hit_tokens{k}") for k in ("", "_host", "_disk", "_remote")}))
+
+    # Host tier: another salt shares nothing (neither kvstrata's tiers nor vLLM's own cache).
+    for name in ("a_x", "a_y", "a_x_again"):
+        check(a[name], P)
+    assert _cached(a["a_y"]) == 0 and metric(a["a_y"], "kvstrata_hit_tokens") == 0, dump(a["a_y"]["metrics"])
+    assert metric(a["a_x_again"], "kvstrata_hit_tokens_host") > 0, dump(a["a_x_again"]["metrics"])
+    # The disguise worked: the forger's KV went to the server under the real model's namespace.
+    model = str(model_dir)
+    assert namespaces_of(tmp_path / "store_f", model) == namespaces_of(tmp_path / "store_a", model)
+    forged_verdicts = compare_step(refs, f["f_q"], Q)
+    assert all(v.problem for v in forged_verdicts), "the fake checkpoint computes what the real one does"
+
+    jobs2 = [
+        {"engine": engine("store_a", {**with_a, "warm_start_bytes": 64 << 20}), "steps": [
+            {"op": "sleep", "seconds": 2.0},  # the warm start promotes x's and y's chunks
+            _gen("a2_z", P, "tenant-z"),
+            _gen("a2_y", P, "tenant-y")]},
+        {"engine": engine("store_c", with_a), "steps": [
+            _gen("c_q", Q, None),  # forged values on the server
+            # Tier gauges are snapshots refreshed at most once a second: the next step publishes
+            # what c_q left (it reads nothing forged itself: no value has tenant w's keys).
+            {"op": "sleep", "seconds": 1.2},
+            _gen("c_w", P, "tenant-w"),  # the server holds x's and y's, signed
+            _gen("c_x", P, "tenant-x")]},
+        {"engine": engine("store_b", {**remote, "remote_auth_key_file": key_b}), "steps": [
+            _gen("b_y", P, "tenant-y"),  # signed with secret A
+            {"op": "sleep", "seconds": 1.2},
+            _gen("b_after", P[:1], "tenant-v")]},
+    ]
+    a2, c, b = (steps_by_name(r) for r in run_jobs_subprocess(
+        jobs2, timeout_s=JOB_TIMEOUT_S, log_path=tmp_path / "two.log"))
+    for step, prompts in ((a2["a2_z"], P), (a2["a2_y"], P), (c["c_q"], Q), (c["c_w"], P),
+                          (c["c_x"], P), (b["b_y"], P)):
+        check(step, prompts)
+    # Disk, warm start and the shared tier: another salt shares nothing; the same salt does.
+    assert metric(a2["a2_z"], "kvstrata_warm_promotions") > 0, dump(a2["a2_z"]["metrics"])
+    assert _cached(a2["a2_z"]) == 0, dump(a2["a2_z"]["metrics"])
+    assert metric(a2["a2_y"], "kvstrata_hit_tokens") > 0, dump(a2["a2_y"]["metrics"])
+    assert _cached(c["c_w"]) == 0, dump(c["c_w"]["metrics"])
+    assert metric(c["c_x"], "kvstrata_hit_tokens_remote") > 0, dump(c["c_x"]["metrics"])
+    # The forged values were found under the keys asked for, and not served.
+    assert _cached(c["c_q"]) == 0 and metric(c["c_q"], "kvstrata_hit_tokens") == 0, dump(c["c_q"]["metrics"])
+    assert metric(c["c_w"], "kvstrata_remote_forged") > 0, dump(c["c_w"]["metrics"])
+    # Another secret: A's values are refused (and deleted), nothing served.
+    assert _cached(b["b_y"]) == 0, dump(b["b_y"]["metrics"])
+    assert metric(b["b_after"], "kvstrata_remote_forged") > 0, dump(b["b_after"]["metrics"])
+    print(f"engines: first process {t1 - t0:.0f}s, second {time.monotonic() - t1:.0f}s")
