@@ -38,6 +38,18 @@ if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev
          "redis-server) or the shared tier's tests fail" >&2
   fi
 fi
+# The TLS tests make their certificates with the openssl command (not in a minimal image).
+if ! command -v openssl >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "kvstrata: installing openssl for the shared tier's TLS tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssl >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+          --no-install-recommends openssl >/dev/null; } ||
+      echo "kvstrata: could not install openssl: the TLS tests will fail" >&2
+  else
+    echo "kvstrata: openssl is missing and this is not root: install it or the TLS tests fail" >&2
+  fi
+fi
 stamp_want="$(cat pyproject.toml scripts/env.sh | sha256sum | cut -c1-16)-$KVSTRATA_VLLM_FLAVOUR"
 stamp_file=.venv/.kvstrata-env
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_want" ] && [ -x .venv/bin/python ]; then
