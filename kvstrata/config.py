@@ -381,11 +381,21 @@ _VALIDATORS = {
     "remote_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),
     "remote_ttl_s": _optional_seconds,
     "store_mode": lambda k, v: _mode(k, v),
-    "auth_key_file": _optional_path,
-    "remote_auth_key_file": _optional_path,
-    "remote_password_file": _optional_path,
-    "remote_tls_ca_file": _optional_path,
+    "auth_key_file": lambda k, v: _optional_file(k, v),
+    "remote_auth_key_file": lambda k, v: _optional_file(k, v),
+    "remote_password_file": lambda k, v: _optional_file(k, v),
+    "remote_tls_ca_file": lambda k, v: _optional_file(k, v),
 }
+
+
+def _optional_file(key: str, value: Any) -> Path | None:
+    """A path to a file holding a secret (or a CA bundle), or null; a secret itself is refused
+    in so far as it cannot be a path. The file is read at start-up (kvstrata.auth)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip() or "\0" in os.fspath(value):
+        raise ConfigError(f"kvstrata option {key!r}: expected the path of a file, got a {type(value).__name__}")
+    return Path(os.fspath(value)).expanduser()
 
 
 def _mode(key: str, value: Any) -> int:

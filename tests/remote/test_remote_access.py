@@ -114,6 +114,9 @@ def test_a_password_in_two_places_or_an_unsafe_secret_file_is_refused(
     monkeypatch.setenv(REMOTE_AUTH_KEY_ENV, "s" * 32)
     disk_auth, remote_auth, _ = read_secrets(StrataConfig.from_extra_config({"remote_url": "redis://h:1/0"}))
     assert disk_auth is None and remote_auth is not None and "s" * 16 not in repr(remote_auth)
+    with pytest.raises(ConfigError, match="auth_key_file.*path of a file, got a int") as exc:
+        StrataConfig.from_extra_config({"auth_key_file": 9081726354})  # never echoed back
+    assert "9081726354" not in str(exc.value)
     with pytest.raises(ConfigError, match="remote_tls_ca_file.*not a TLS URL"):
         StrataConfig.from_extra_config({"remote_url": "redis://h:1/0", "remote_tls_ca_file": str(key_file)})
 
