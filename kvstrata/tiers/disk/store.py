@@ -439,8 +439,10 @@ class DiskStore:
         if problem == rec.FORGED:
             self._counts.bump("forged")
             self._counts.bump("misses")
-            log.warning("store at %s: record %s not served: %s; counted as forged and dropped",
-                        self.path, key.hex(), problem)
+            if "forged" not in self._logged_damage:  # a store under another key: every record
+                self._logged_damage.add("forged")
+                log.warning("store at %s: record %s not served: %s; dropped, and counted as "
+                            "'forged' (logged once)", self.path, key.hex(), problem)
             writer = self._writer
             if writer is not None:
                 writer.call_soon(lambda: drop_if_bad(writer, [key], "forged_dropped", self._auth))
