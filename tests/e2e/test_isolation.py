@@ -11,8 +11,9 @@
 Two engine processes. (1) the reference (vLLM alone), engine A (secret A) serving the prompts
 under two salts, then, with the other checkpoint swapped in under the model's path while A's
 process waits, engine F (no secret) computing other prompts, which reach the server unsigned.
-(2) with the real checkpoint back: A restarted with a warm start, engine C (secret A, empty
-local store) and engine B (secret B, empty local store).
+(2) with the real checkpoint back: A restarted with a warm start (its disk records carry MACs
+too: ``auth_key_file``), engine C (secret A, empty local store) and engine B (secret B, empty
+local store).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
     key_a = _secret(tmp_path / "a.key", "replica-secret-A-0123456789abcdef")
     key_b = _secret(tmp_path / "b.key", "replica-secret-B-0123456789abcdef")
     remote = {"remote_url": redis_server.url, "remote_timeout_s": 1.0}
-    with_a = {**remote, "remote_auth_key_file": key_a}
+    with_a = {**remote, "remote_auth_key_file": key_a, "auth_key_file": key_a}  # disk records too
 
     def engine(store: str | None, extra: dict[str, Any]) -> dict[str, Any]:
         return asdict(CASE.options(model_dir, None if store is None else tmp_path / store, extra_config=extra))
@@ -172,6 +173,7 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
     assert metric(a2["a2_z"], "kvstrata_warm_promotions") > 0, dump(a2["a2_z"]["metrics"])
     assert _cached(a2["a2_z"]) == 0, dump(a2["a2_z"]["metrics"])
     assert metric(a2["a2_y"], "kvstrata_hit_tokens") > 0, dump(a2["a2_y"]["metrics"])
+    assert metric(a2["a2_y"], "kvstrata_disk_forged") == 0, dump(a2["a2_y"]["metrics"])  # its own MACs
     assert _cached(c["c_w"]) == 0, dump(c["c_w"]["metrics"])
     assert metric(c["c_x"], "kvstrata_hit_tokens_remote") > 0, dump(c["c_x"]["metrics"])
     # The forged values were found under the keys asked for, and not served.
