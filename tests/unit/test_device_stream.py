@@ -21,8 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from kvstrata.connector.metadata import ChunkCopy, StrataMetadata, TransferJob
 from kvstrata.connector.worker import StrataWorker
-from kvstrata.tiers.device import StreamStager, TorchCopyDevice, Transfer
-from kvstrata.tiers.device.stream import merge_adjacent
+from kvstrata.tiers.device import StreamStager, Transfer
 from kvstrata.tiers.landing import LandingWaiter
 
 MODEL = ALL_MODELS[0].values[0]
@@ -103,6 +102,8 @@ def test_round_trip_is_bit_exact_through_dma_descriptors(model: Model):
 
 
 def test_adjacent_pages_merge_into_one_copy():
+    from kvstrata.tiers.device.stream import merge_adjacent
+
     src, dst, sizes = (np.array(v, np.int64) for v in ([0, 64, 128, 512], [1000, 1064, 2000, 2064], [64] * 4))
     s, d, n = merge_adjacent(src, dst, sizes)
     assert s.tolist() == [0, 128, 512] and d.tolist() == [1000, 2000, 2064] and n.tolist() == [128, 64, 64]
@@ -297,6 +298,7 @@ def test_unpinned_slab_copies_are_never_issued_from_the_engine_thread():
     stager, dev = _fake(MODEL, host, pinned=False)
     stager.store(1, [Transfer(0, 3, 0, [6, 7])])
     stager.load(2, [Transfer(0, 0, 0, [40])])
+    assert not host.any(), "bytes moved on the engine thread"
     stager.wait([1, 2])
     assert dev.engine_thread_blocks == 0
     assert stager.poll() == [(1, True), (2, True)]
@@ -308,6 +310,8 @@ def test_unpinned_slab_copies_are_never_issued_from_the_engine_thread():
 def test_a_build_without_the_copy_primitives_is_refused_at_start_up():
     """XPU or CUDA builds lacking vLLM's swap_blocks_batch (this CPU wheel has none) are refused
     with the missing primitive named, not failed at the first transfer."""
+    from kvstrata.tiers.device import TorchCopyDevice
+
     for kind in ("cuda", "xpu"):
         with pytest.raises(ValueError, match="swap_blocks_batch"):
             TorchCopyDevice(torch.device(kind))

@@ -125,7 +125,7 @@ def test_failed_cuda_registration_clears_the_error_and_rolls_back(tmp_path, monk
 
     monkeypatch.setattr(vllm_register, "_load_cudart", lambda: FakeCudart())
     monkeypatch.setattr(vllm_register.current_platform, "is_cuda_alike", lambda: True)
-    monkeypatch.setattr(slab_mod, "REGISTER_PIECE_BYTES", 2 * 4096)
+    monkeypatch.setattr(slab_mod, "REGISTER_PIECE_BYTES", 2 * 4096, raising=False)
     with HostSlab(tmp_path / "p.slab", 4096, 4) as slab:
         assert slab.pin() is False and not slab.pinned
     assert calls == ["register", "register", "get_last_error", "unregister"]
