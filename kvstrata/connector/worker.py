@@ -141,7 +141,8 @@ class StrataWorker:
         for job_id, ok in acked + self.stager.poll() + self.landing.poll():
             job = self._submitted.pop(job_id)
             elapsed = time.perf_counter() - self._started.pop(job_id)
-            nbytes = self._job_bytes(job)
+            # A rank that only acknowledged a replicated store moved no bytes.
+            nbytes = self._job_bytes(job) if self.plan.writes_stores or not job.is_store else 0
             target = self._meta.completed if ok else self._meta.failed
             target[job_id] = target.get(job_id, 0) + 1
             if job.is_store:

@@ -351,7 +351,8 @@ def test_replicated_kv_is_written_by_rank_zero_and_read_by_every_rank():
     worker.handle_preemptions(StrataMetadata())
     assert stager.pending == 0 and not host.any()
     worker.get_finished()
-    assert worker.build_worker_meta().completed == {5: 1}
+    meta = worker.build_worker_meta()
+    assert meta.completed == {5: 1} and meta.bytes_stored == 0
 
 
 # ---- helpers -----------------------------------------------------------------------------------
