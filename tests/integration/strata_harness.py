@@ -190,8 +190,24 @@ class Runner:
     # deferred stores, event-completed loads; the double runs its queued copies just before each
     # step's get_finished, after that step's (host-synchronous) emulated forward.
     accel: bool = False
+    # Every rank holds the same KV (MLA's latent under tensor parallelism): vLLM's signals for it
+    # (``use_mla``, ``kv_tp_replicas``) are set, and the emulated forward writes the same values
+    # on every rank.
+    replicated: bool = False
 
     def __post_init__(self) -> None:
+        if not self.replicated:
+            self._build()
+            return
+        from unittest import mock
+
+        from vllm.config import ModelConfig
+
+        with mock.patch.object(ModelConfig, "use_mla", new_callable=mock.PropertyMock,
+                               return_value=True):
+            self._build()
+
+    def _build(self) -> None:
         block_size = max(g.block_size for g in self.groups)
         self.config = vllm_config(self.model_dir, self.store, block_size=block_size, extra=self.extra,
                                   spec_decode=self.spec_decode, retention=self.retention,
@@ -200,6 +216,8 @@ class Runner:
                                   prefix_match_unit=self.prefix_match_unit,
                                   kv_events=self.kv_events)
         self.kv_config = kv_cache_config(self.groups, self.num_blocks)
+        if self.replicated:
+            self.kv_config.kv_tp_replicas = self.tp
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         sched_block, hash_block = resolve_kv_cache_block_sizes(self.kv_config, self.config)
         self.hash_block = hash_block
@@ -377,7 +395,7 @@ class Runner:
         """(rank, layer, page) of a block, on every rank."""
         for rank, kv in enumerate(self.kvs):
             for layer, name in enumerate(self.kv_config.kv_cache_groups[g].layer_names):
-                yield rank, layer, kv[name][block_id]
+                yield 0 if self.replicated else rank, layer, kv[name][block_id]
 
     def _is_state(self, g: int) -> bool:
         return self.groups[g].kind == "mamba"

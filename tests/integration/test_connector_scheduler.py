@@ -1044,3 +1044,16 @@ def test_kept_window_tails_serve_the_replay_with_every_attended_block(
         runners, name, groups, spec, n: int, expected: int) -> None:
     r = runners(groups, spec_decode=spec, retention=0)
     assert _store_then_serve(r, _prompt(n)) == expected
+
+
+def test_replicated_kv_is_stored_once_and_served_to_every_rank(runners) -> None:
+    """MLA under tensor parallelism: every rank holds the same latent. One shard per slot under
+    one namespace (host and disk capacity not divided by the TP size), copied by rank 0 only;
+    both ranks load it, each checked page by page."""
+    r = runners([G("full", 16)], tp=2, replicated=True)
+    plan = r.connector.plan
+    assert plan.replicated and len(plan.namespaces) == 1 and plan.slot_bytes == plan.shard_bytes
+    assert _store_then_serve(r, _prompt(100)) == 100
+    rank0, rank1 = (w.worker.stager for w in r.workers)
+    assert rank0.bytes_stored > 0 and rank1.bytes_stored == 0
+    assert rank0.bytes_loaded == rank1.bytes_loaded > 0
