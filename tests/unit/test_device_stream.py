@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from accel_double import FakeDevice
-from test_device import ALL_MODELS, BPC, Model, _fill_random, _host
+from test_device import ALL_MODELS, BPC, Model, _fa, _fill_random, _host, kvi
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -99,6 +99,26 @@ def test_round_trip_is_bit_exact_through_dma_descriptors(model: Model):
     changed = before != model.raw.numpy()
     assert not (changed & ~model.page_ranges(g, [20, 21, 22, 23, 30, 31])).any()
     assert stager.pending == 0 and stager.bytes_stored == stager.bytes_loaded > 0
+
+
+def test_kernel_block_split_views_through_dma_descriptors():
+    """Manager blocks of 32 tokens over attention kernel blocks of 16 (vLLM's view has twice the
+    blocks): descriptors address whole manager pages."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    model = Model([kvi.KVCacheGroupSpec(["f0", "f1"], _fa(32))], KVCacheLayout.LBNHC,
+                  kernel_block_sizes=[16])
+    _fill_random(model, 4)
+    host = _host(model)
+    stager, dev = _fake(model, host)
+    stager.store(1, [Transfer(0, 0, 0, [2, 3])])
+    dev.run()  # the scheduler loads a slot only once its store completed
+    stager.load(2, [Transfer(0, 0, 0, [5, 6])])
+    dev.run()
+    assert stager.poll() == [(1, True), (2, True)]
+    for name in model.groups[0]:
+        assert torch.equal(model.page(name, 0, 5), model.page(name, 0, 2))
+        assert torch.equal(model.page(name, 0, 6), model.page(name, 0, 3))
 
 
 def test_adjacent_pages_merge_into_one_copy():
