@@ -30,6 +30,11 @@ from typing import Any
 GOAL = 1.1
 
 
+def _is(output: Any, name: str) -> bool:
+    # vLLM may suffix the request id it was given; outputs carry the given one or the suffixed.
+    return output.request_id == name or output.request_id.startswith(name + "-")
+
+
 def _itl(stamps: list[float]) -> float | None:
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     return statistics.mean(gaps) if gaps else None
@@ -68,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             while engine.has_unfinished_requests():
                 outs = engine.step()
                 now = time.perf_counter()
-                if any(o.request_id == "decode-0" for o in outs):
+                if any(_is(o, "decode-0") for o in outs):
                     stamps.append(now)
                 if stop(outs, stamps):
                     return stamps
@@ -85,7 +90,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         def loaded(outs, stamps) -> bool:
             for o in outs:
-                if o.request_id == "load" and o.outputs and o.outputs[0].token_ids:
+                if _is(o, "load") and o.outputs and o.outputs[0].token_ids:
                     first.setdefault("cached", int(o.num_cached_tokens or 0))
                     first.setdefault("at", len(stamps))
             # Two more decode tokens after the load's first one: its own step is included.
