@@ -17,7 +17,8 @@ tensors standing in for device memory. Like a real device:
   device: the double counts such calls made on the engine (main) thread
   (``engine_thread_blocks``);
 * ``fail_next_copy = k`` makes the next ``copy_batch`` queue only its first ``k`` copies and then
-  raise, as a driver error after part of a job was issued; ``fail_query`` makes events raise.
+  raise, as a driver error after part of a job was issued; ``fail_query`` makes events' ``query``
+  and ``synchronize`` raise (a device error).
 
 Test-side work on the compute stream (a forward writing blocks, sampling) is queued with
 ``kernel``. ``created_streams`` lists the streams the code under test created, in order.
@@ -65,6 +66,8 @@ class FakeEvent:
         return self.mark is None or self.mark.done
 
     def synchronize(self) -> None:
+        if self.dev.fail_query:
+            raise RuntimeError("fake device error")
         with self.dev.lock:
             self.dev.host_syncs += 1
             self.dev.run()

@@ -288,6 +288,10 @@ def test_a_device_error_on_the_event_fails_the_job_without_raising():
     dev.run()
     dev.fail_query = True
     assert stager.poll() == [(1, False)]
+    stager.store(2, [Transfer(0, 1, 0, [3])])
+    stager.wait([2])  # the wait fails on the device: the job fails, nothing raises into vLLM
+    assert stager.poll() == [(2, False)]
+    assert stager.descriptor_buffers == 0, "buffers a lost job may still be read are never pooled"
 
 
 def test_descriptor_buffers_live_until_their_job_completes_then_are_reused():

@@ -196,6 +196,7 @@ class StreamStager(DeviceStager):
             descs = self._upload(job, src, dst, sizes)
         except Exception:
             logger.exception("kvstrata: %s job %d failed before any copy", direction, job_id)
+            self._pool.extend(job.buffers)
             self._results.append((job_id, False))
             return
         # The dependency is taken now, on the engine thread: a store waits for the forward that
@@ -210,36 +211,48 @@ class StreamStager(DeviceStager):
 
     def _issue(self, direction: Direction, job: _Job, dep: Any, descs: tuple[Any, ...]) -> None:
         stream = self._streams[direction]
-        stream.wait_event(dep)
-        with self._dev.use_stream(stream):
-            try:
-                if descs:
-                    # Host sources (loads) are never written by a device stream: the copy engine
-                    # may read them out of stream order, as vLLM's worker lets it.
-                    self._dev.copy_batch(*descs, src_order_any=direction == "load")
-            except Exception:
-                logger.exception("kvstrata: %s job %d failed", direction, job.job_id)
-                job.ok = False
-            # Recorded even after a failure: copies already queued must finish before the
-            # descriptors go back to the pool and before the slots or blocks are reused.
-            job.event.record(stream)
+        try:
+            stream.wait_event(dep)
+            with self._dev.use_stream(stream):
+                try:
+                    if descs:
+                        # Host sources (loads) are never written by a device stream: the copy
+                        # engine may read them out of stream order, as vLLM's worker lets it.
+                        self._dev.copy_batch(*descs, src_order_any=direction == "load")
+                except Exception:
+                    logger.exception("kvstrata: %s job %d failed", direction, job.job_id)
+                    job.ok = False
+                # Recorded even after a failure: copies already queued must finish before the
+                # descriptors go back to the pool and before the slots or blocks are reused.
+                job.event.record(stream)
+        except Exception:
+            self._lost(job, "its stream or event failed")
+
+    def _lost(self, job: _Job, why: str) -> None:
+        """A device error: nothing tells when the job's queued copies end. It fails, and its
+        descriptors (possibly still read) are dropped rather than pooled."""
+        logger.exception("kvstrata: %s job %d: %s", job.direction, job.job_id, why)
+        job.ok, job.buffers, job.event = False, [], None
 
     def _done(self, job: _Job) -> bool:
         if job.future is not None and not job.future.done():
             return False
+        if job.event is None:
+            return True
         try:
             return bool(job.event.query())
         except Exception:
-            # A device error surfaced here: the job cannot be trusted, and its buffers may still
-            # be read, so they are dropped rather than pooled.
-            logger.exception("kvstrata: job %d's completion event failed", job.job_id)
-            job.ok, job.buffers = False, []
+            self._lost(job, "its completion event failed")
             return True
 
     def _sync(self, job: _Job) -> None:
         if job.future is not None:
-            job.future.result()
-        job.event.synchronize()
+            job.future.result()  # _issue never raises
+        if job.event is not None:
+            try:
+                job.event.synchronize()
+            except Exception:
+                self._lost(job, "waiting for it failed")
 
     def _finish(self, job: _Job) -> None:
         self._jobs.pop(job.job_id, None)
