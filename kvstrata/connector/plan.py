@@ -54,6 +54,9 @@ class KVPlan:
     persistent: bool  # False: the hash seed is per-process, the store is session-only
     slab_path: Path
     num_slots: int
+    # Every tensor-parallel rank holds the same KV (MLA's latent): one shard per slot, under one
+    # namespace, written by rank 0 and read by every rank (vLLM's single writer).
+    replicated: bool = False
 
     @property
     def shard_bytes(self) -> int:
@@ -61,7 +64,17 @@ class KVPlan:
 
     @property
     def slot_bytes(self) -> int:
-        return self.shard_bytes * self.world_size
+        return self.shard_bytes * len(self.namespaces)
+
+    @property
+    def shard_index(self) -> int:
+        """This rank's shard in a slot (0 for every rank of a replicated layout)."""
+        return 0 if self.replicated else self.rank
+
+    @property
+    def writes_stores(self) -> bool:
+        """Whether this rank copies store jobs (all ranks still report them done)."""
+        return not self.replicated or self.rank == 0
 
     def group(self, index: int) -> GroupPages:
         for g in self.groups:
@@ -105,9 +118,11 @@ def build_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: Str
     hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
     identity = _identity(vllm_config, kv_cache_config, pages, tokens_per_hash, bpc, hash_algo)
     persistent = keymod.hash_seed_is_reproducible(hash_algo)
-    namespaces = tuple(keymod.rank_namespace(identity, r) for r in range(world))
+    replicated = replicated_kv(vllm_config, kv_cache_config)
+    # A replicated layout keeps rank 0's namespace: what TP ranks stored before is still found.
+    namespaces = tuple(keymod.rank_namespace(identity, r) for r in range(1 if replicated else world))
     shard = max(g.shard_bytes(bpc) for g in pages)
-    num_slots = max(2, cfg.host_bytes // (shard * world))
+    num_slots = max(2, cfg.host_bytes // (shard * len(namespaces)))
     engine_id = vllm_config.kv_transfer_config.engine_id if vllm_config.kv_transfer_config else None
     slab_dir = cfg.host_shm_dir or _default_shm_dir()
     slab_path = slab_dir / f"kvstrata-{engine_id or os.getpid()}-pp{parallel.rank // max(world, 1)}.slab"
@@ -123,6 +138,19 @@ def build_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: Str
         persistent=persistent,
         slab_path=slab_path,
         num_slots=num_slots,
+        replicated=replicated,
+    )
+
+
+def replicated_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether every tensor-parallel rank holds identical KV: MLA replicates its latent on each
+    rank (``kv_tp_replicas`` ranks hold one copy). vLLM's offloading connector makes rank 0 the
+    only writer under the same condition (``offloading/config.py``, ``replicated_layout``)."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return (
+        tp > 1
+        and bool(getattr(vllm_config.model_config, "use_mla", False))
+        and getattr(kv_cache_config, "kv_tp_replicas", 1) == tp
     )
 
 

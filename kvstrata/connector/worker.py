@@ -1,14 +1,19 @@
 """Worker side of the connector: copies pages between vLLM's KV tensors and host slots.
 
 The worker holds no cache state. It executes the scheduler's jobs through the device stager
-``make_stager`` picks (``StreamStager``: dedicated copy streams on CUDA/XPU; ``CpuStager``: plain
-copies on CPU) and reports which jobs finished.
+``make_stager`` picks (``StreamStager``: DMA on dedicated copy streams on CUDA/XPU; ``CpuStager``:
+plain copies on CPU) and reports which jobs finished. On accelerators it follows vLLM's own
+offloading worker (docs/DESIGN.md "tiers/device/"): loads complete by their event and are
+reported in ``finished_recving`` (the compute stream never waits on them); a step's stores are
+issued at the next step's start, after that step's sampling, ordered after their forward by an
+event recorded in ``wait_for_save``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -30,6 +35,9 @@ class StrataWorker:
         self.stager: DeviceStager | None = None
         self.landing: LandingWaiter | None = None
         self._submitted: dict[int, TransferJob] = {}
+        # Stores of the last forward, with its compute mark: issued at the next step's start.
+        self._deferred: list[tuple[TransferJob, Any]] = []
+        self._acked: list[int] = []  # stores another rank writes (replicated KV): done at once
         self._started: dict[int, float] = {}
         self._meta = StrataWorkerMetadata()
         self._finished_loads: set[str] = set()
@@ -40,7 +48,6 @@ class StrataWorker:
         if any(t.device.type == "cpu" for t in kv_caches.values()):
             allow_amx_tiles()
         self.slab = HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
-        self.slab.pin()
         # The stager indexes groups by position: give it every group of the engine (a chunk
         # copy names its vLLM group index); only offloaded groups ever appear in jobs.
         groups = self.kv_cache_config.kv_cache_groups
@@ -51,7 +58,7 @@ class StrataWorker:
             num_blocks=self.kv_cache_config.num_blocks,
             blocks_per_chunk=plan.blocks_per_chunk,
             shard_bytes=plan.shard_bytes,
-            shard_index=plan.rank,
+            shard_index=plan.shard_index,
             group_page_bytes=[_page_bytes_or(plan, i, kv_caches, g.layer_names) for i, g in enumerate(groups)],
         )
         broken = {g.index: self.stager.group_errors[g.index] for g in plan.groups if g.index in self.stager.group_errors}
@@ -65,7 +72,10 @@ class StrataWorker:
 
     # A store job read in a later step could copy a block that was re-allocated meanwhile; the
     # scheduler lists such jobs in ``flush`` and we finish them before this step's forward.
+    # Called at every step's start, before the forward is launched: the previous step's stores
+    # are issued here (their copies then queue behind that step's sampling, not ahead of it).
     def handle_preemptions(self, meta: StrataMetadata) -> None:
+        self._submit_deferred()
         if not meta.flush:
             return
         if self.landing is not None:
@@ -80,30 +90,45 @@ class StrataWorker:
             self.stager.wait(waiting)
 
     def start_load_kv(self, meta: StrataMetadata) -> None:
+        self._submit_deferred()  # a runner that skipped handle_preemptions still issues them
         for job in meta.loads:
             self._submit(job)
 
     def wait_for_save(self, meta: StrataMetadata) -> None:
-        # Called after this step's forward: the pages of this step's tokens are written (on
-        # accelerators the copy stream waits for the compute stream's work so far).
-        for job in meta.stores:
-            if job.job_id not in self._submitted:
+        # Called after this step's forward was launched (CPU: after it ran).
+        assert self.stager is not None, "register_kv_caches was not called"
+        deferred = {job.job_id for job, _ in self._deferred}
+        stores = [j for j in meta.stores if j.job_id not in self._submitted and j.job_id not in deferred]
+        if not stores:
+            return
+        if self.stager.copies_on_host:
+            for job in stores:
                 self._submit(job)
+            return
+        mark = self.stager.mark_compute()
+        self._deferred.extend((job, mark) for job in stores)
 
-    def _submit(self, job: TransferJob) -> None:
+    def _submit_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for job, mark in deferred:
+            self._submit(job, after=mark)
+
+    def _submit(self, job: TransferJob, after: Any = None) -> None:
         assert self.stager is not None, "register_kv_caches was not called"
         self._submitted[job.job_id] = job
         self._started[job.job_id] = time.perf_counter()
         copies = [(c.group, c.slot, c.first_block, c.block_ids) for c in job.copies]
         if job.is_store:
-            self.stager.store(job.job_id, copies)
+            if self.plan.writes_stores:
+                self.stager.store(job.job_id, copies, after=after)
+            else:
+                self._acked.append(job.job_id)
         elif any(c.ticket for c in job.copies):
             assert self.landing is not None
             self.landing.submit(job.job_id, copies, [c.ticket for c in job.copies])
         else:
-            # The request only runs once this load is reported finished; on accelerators also
-            # order the compute stream after it, so no forward can read a half-copied block.
-            self.stager.load(job.job_id, copies, before_compute=True)
+            # The request runs once this load is reported finished (get_finished).
+            self.stager.load(job.job_id, copies)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for vLLM."""
@@ -111,11 +136,13 @@ class StrataWorker:
             return set(), set(), set()
         assert self.landing is not None
         for job_id, transfers in self.landing.take_ready():
-            self.stager.load(job_id, transfers, before_compute=True)
-        for job_id, ok in self.stager.poll() + self.landing.poll():
+            self.stager.load(job_id, transfers)
+        acked, self._acked = [(j, True) for j in self._acked], []
+        for job_id, ok in acked + self.stager.poll() + self.landing.poll():
             job = self._submitted.pop(job_id)
             elapsed = time.perf_counter() - self._started.pop(job_id)
-            nbytes = self._job_bytes(job)
+            # A rank that only acknowledged a replicated store moved no bytes.
+            nbytes = self._job_bytes(job) if self.plan.writes_stores or not job.is_store else 0
             target = self._meta.completed if ok else self._meta.failed
             target[job_id] = target.get(job_id, 0) + 1
             if job.is_store:
@@ -144,6 +171,7 @@ class StrataWorker:
         if self.landing is not None:
             self.landing.close()
         if self.stager is not None:
+            self._submit_deferred()
             self.stager.wait(list(self._submitted))
             self.stager.close()
         if self.slab is not None:

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("kvstrata.tools.archive_export", "write a portable checksummed archive of a store (or one model)"),
     "import": ("kvstrata.tools.archive_import", "verify an archive, then merge it into a store (all or nothing)"),
     "purge": ("kvstrata.tools.purge", "remove one model's (fingerprint's) chunks from a store"),
+    "gpu-check": ("kvstrata.tools.gpu_check", "on a CUDA/XPU machine: device tests, stager GB/s, demo TTFTs, decode ITL"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "disk": ("kvstrata.tools.bench_disk", "disk tier vs raw file I/O (MB/s, compression ratio)"),

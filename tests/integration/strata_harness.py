@@ -186,8 +186,28 @@ class Runner:
     async_scheduling: bool = False
     tp: int = 1
     kv_events: bool = False
+    # Workers stage through StreamStager on the accelerator double (tests/unit/accel_double.py):
+    # deferred stores, event-completed loads; the double runs its queued copies just before each
+    # step's get_finished, after that step's (host-synchronous) emulated forward.
+    accel: bool = False
+    # Every rank holds the same KV (MLA's latent under tensor parallelism): vLLM's signals for it
+    # (``use_mla``, ``kv_tp_replicas``) are set, and the emulated forward writes the same values
+    # on every rank.
+    replicated: bool = False
 
     def __post_init__(self) -> None:
+        if not self.replicated:
+            self._build()
+            return
+        from unittest import mock
+
+        from vllm.config import ModelConfig
+
+        with mock.patch.object(ModelConfig, "use_mla", new_callable=mock.PropertyMock,
+                               return_value=True):
+            self._build()
+
+    def _build(self) -> None:
         block_size = max(g.block_size for g in self.groups)
         self.config = vllm_config(self.model_dir, self.store, block_size=block_size, extra=self.extra,
                                   spec_decode=self.spec_decode, retention=self.retention,
@@ -196,6 +216,8 @@ class Runner:
                                   prefix_match_unit=self.prefix_match_unit,
                                   kv_events=self.kv_events)
         self.kv_config = kv_cache_config(self.groups, self.num_blocks)
+        if self.replicated:
+            self.kv_config.kv_tp_replicas = self.tp
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         sched_block, hash_block = resolve_kv_cache_block_sizes(self.kv_config, self.config)
         self.hash_block = hash_block
@@ -212,12 +234,16 @@ class Runner:
             )
             # One worker connector per rank, built as that rank's process builds it.
             self.workers: list[StrataConnector] = []
+            self.devices: list[Any] = []
             self.kvs: list[dict[str, torch.Tensor]] = []
             for rank in range(self.tp):
                 parallel.rank = rank
                 worker = StrataConnector(self.config, KVConnectorRole.WORKER, self.kv_config)
                 kv = allocate_kv_cache(self.kv_config, torch.device("cpu"), KVCacheLayout.LBHNC)
-                worker.register_kv_caches(kv)
+                if self.accel:
+                    self.devices.append(_register_on_accel_double(worker, kv))
+                else:
+                    worker.register_kv_caches(kv)
                 self.workers.append(worker)
                 self.kvs.append(kv)
             parallel.rank = 0
@@ -305,8 +331,10 @@ class Runner:
         self._emulate_forward(so)
         reqs = [self.scheduler.requests[r] for r in so.num_scheduled_tokens]
         outputs: list[ModelRunnerOutput | None] = []
-        for w in self.workers:
+        for i, w in enumerate(self.workers):
             w.wait_for_save()
+            if self.devices:
+                self.devices[i].run()
             results = w.get_transfer_results(so.finished_req_ids)
             wmeta = w.build_connector_worker_meta()
             w.clear_connector_metadata()
@@ -367,7 +395,7 @@ class Runner:
         """(rank, layer, page) of a block, on every rank."""
         for rank, kv in enumerate(self.kvs):
             for layer, name in enumerate(self.kv_config.kv_cache_groups[g].layer_names):
-                yield rank, layer, kv[name][block_id]
+                yield 0 if self.replicated else rank, layer, kv[name][block_id]
 
     def _is_state(self, g: int) -> bool:
         return self.groups[g].kind == "mamba"
@@ -542,3 +570,27 @@ class Runner:
         for w in self.workers:
             w.shutdown()
         self.connector.shutdown()
+
+
+def _register_on_accel_double(worker: StrataConnector, kv: dict[str, torch.Tensor]) -> Any:
+    """``register_kv_caches`` with the worker's stager built on the accelerator double."""
+    import sys
+    from unittest import mock
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from accel_double import FakeDevice
+
+    from kvstrata.connector import worker as worker_mod
+    from kvstrata.tiers.device import StreamStager
+
+    made: list[Any] = []
+
+    def make_stager(kv_caches, group_layers, host, **kw):
+        kw.pop("copy_threads", None)
+        dev = FakeDevice([next(iter(kv_caches.values()))], [host.tensor])
+        made.append(dev)
+        return StreamStager(kv_caches, group_layers, host, backend=dev, host_pinned=True, **kw)
+
+    with mock.patch.object(worker_mod, "make_stager", make_stager):
+        worker.register_kv_caches(kv)
+    return made[0]

@@ -26,16 +26,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # Every scenario under vLLM's plain Scheduler and under its AsyncScheduler (the default on GPUs:
 # each step is planned before the previous step's output is seen).
-@pytest.fixture(params=[False, True], ids=["sched", "async-sched"])
+# "accel": the async scheduler with the workers on the accelerator double (StreamStager: stores
+# deferred to the next step, loads completed by event).
+@pytest.fixture(params=["sched", "async-sched", "accel"])
 def runners(model_dir: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
     made: list[Runner] = []
 
     def make(groups: list[G], store: Path | None = None, **kw) -> Runner:
-        kw.setdefault("async_scheduling", request.param)
+        kw.setdefault("async_scheduling", request.param != "sched")
+        kw.setdefault("accel", make.accel)
         r = Runner(groups, model_dir, store or tmp_path / "store", **kw)
         made.append(r)
         return r
 
+    make.accel = request.param == "accel"  # type: ignore[attr-defined]
     yield make
     for r in made:
         r.close()
@@ -691,6 +695,8 @@ def test_a_load_ends_only_when_the_slowest_rank_copied_it(runners, tmp_path: Pat
 
     from kvstrata.connector.scheduler import StrataScheduler
 
+    if runners.accel:
+        pytest.skip("slows the CPU landing copies; accelerators get whole jobs back instead")
     store = tmp_path / "persist"
     prompt = _prompt(100)
     first = runners([G("full", 16)], store=store, tp=2)
@@ -938,9 +944,9 @@ def test_a_store_failed_on_one_rank_is_not_committed_when_another_finishes_later
     stores: set[int] = set()
     real_store, real_poll0, real_poll1 = rank0.store, rank0.poll, rank1.poll
 
-    def store(job_id, copies):
+    def store(job_id, copies, **kw):
         stores.add(job_id)
-        return real_store(job_id, copies)
+        return real_store(job_id, copies, **kw)
 
     def poll0():  # every store fails on rank 0
         return [(job, ok and job not in stores) for job, ok in real_poll0()]
@@ -1038,3 +1044,16 @@ def test_kept_window_tails_serve_the_replay_with_every_attended_block(
         runners, name, groups, spec, n: int, expected: int) -> None:
     r = runners(groups, spec_decode=spec, retention=0)
     assert _store_then_serve(r, _prompt(n)) == expected
+
+
+def test_replicated_kv_is_stored_once_and_served_to_every_rank(runners) -> None:
+    """MLA under tensor parallelism: every rank holds the same latent. One shard per slot under
+    one namespace (host and disk capacity not divided by the TP size), copied by rank 0 only;
+    both ranks load it, each checked page by page."""
+    r = runners([G("full", 16)], tp=2, replicated=True)
+    plan = r.connector.plan
+    assert plan.replicated and len(plan.namespaces) == 1 and plan.slot_bytes == plan.shard_bytes
+    assert _store_then_serve(r, _prompt(100)) == 100
+    rank0, rank1 = (w.worker.stager for w in r.workers)
+    assert rank0.bytes_stored > 0 and rank1.bytes_stored == 0
+    assert rank0.bytes_loaded == rank1.bytes_loaded > 0

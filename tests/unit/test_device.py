@@ -5,8 +5,8 @@ allocation, per-layer strided ``[B, H, N, C]`` views, groups overlaying the same
 are checked against an independent reference: the ``KVCacheTensor`` placement formula
 ``offset + l * layer_stride + b * block_stride`` on the raw buffer.
 
-``CpuStager`` runs here; ``StreamStager``'s gather/scatter runs on CPU tensors through a stand-in
-for ``torch.cuda`` (``test_accelerator_path_logic_on_cpu``) and for real on a CUDA device.
+``CpuStager`` runs here; ``StreamStager`` runs on a controlled accelerator double in
+``test_device_stream.py`` and for real on a CUDA device (the ``cuda`` tests below).
 """
 
 from __future__ import annotations
@@ -406,16 +406,21 @@ def test_cpu_load_now_copies_one_chunk_synchronously(model: Model):
     for n, (p5, p6) in want.items():
         assert torch.equal(model.page(n, g, 9), p5) and torch.equal(model.page(n, g, 10), p6)
     assert stager.poll() == [] and stager.pending == 0
-    stager.wait([1])  # no-ops on CPU: the copies are already done
-    stager.order_before_compute([1])
+    stager.wait([1])  # a no-op on CPU: the copies are already done
+    assert stager.mark_compute() is None
     with pytest.raises(IndexError):
         stager.load_now(Transfer(g, stager.num_slots, 0, [1]))
     stager.close()
 
 
 def test_stream_stager_has_no_load_now():
+    from accel_double import FakeDevice
+
     model = ALL_MODELS[0].values[0]
-    stager = _fake_stream_stager(model, _host(model))
+    host = _host(model)
+    stager = StreamStager(model.caches, model.groups, host, backend=FakeDevice([model.raw], [host]),
+                          num_blocks=model.num_blocks, blocks_per_chunk=BPC,
+                          shard_bytes=host.shape[1], group_page_bytes=model.pages)
     assert not stager.copies_on_host
     with pytest.raises(RuntimeError, match="load_now"):
         stager.load_now(Transfer(0, 0, 0, [1]))
@@ -444,7 +449,6 @@ def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
             num_blocks=model.num_blocks,
             blocks_per_chunk=BPC,
             shard_bytes=shard,
-            max_stage_bytes=3 * model.pages[0] * 2,
         )
         assert isinstance(stager, StreamStager) and not stager.copies_on_host
         assert slab.pinned
@@ -461,12 +465,9 @@ def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
         stager.store(1, [Transfer(g, 0, 0, src[0]), Transfer(g, 1, 1, src[1])])
         stager.wait([1])
         before = model.raw.cpu().numpy().copy()
-        stager.load(2, [Transfer(g, 0, 0, dst[0]), Transfer(g, 1, 1, dst[1])], before_compute=True)
-        torch.cuda.current_stream().synchronize()
-        done = []
-        while len(done) < 2:
-            done += stager.poll()
-        assert sorted(done) == [(1, True), (2, True)]
+        stager.load(2, [Transfer(g, 0, 0, dst[0]), Transfer(g, 1, 1, dst[1])])
+        stager.wait([2])
+        assert stager.poll() == [(1, True), (2, True)]
         for (n, d), page in want.items():
             assert torch.equal(model.page(n, g, d), page)
         changed = before != model.raw.cpu().numpy()
@@ -476,84 +477,67 @@ def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
         slab.close()
 
 
-class _FakeEvent:
-    def record(self, stream=None) -> None:
-        pass
+def _cuda_stager(tmp_path, slots: int = 8):
+    from kvstrata.tiers.host import HostSlab
 
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _FakeStream:
-    def __init__(self, device=None) -> None:
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-
-class _FakeAccel:
-    """Stands in for torch.cuda: runs the accelerator code path (staging buffers, index ops,
-    batched copies) on CPU tensors, synchronously."""
-
-    Event = _FakeEvent
-    Stream = _FakeStream
-
-    def current_stream(self, device=None) -> _FakeStream:
-        return _FakeStream()
-
-    def stream(self, s):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-def _fake_stream_stager(model: Model, host: torch.Tensor, **kw) -> StreamStager:
+    model = Model(MODELS["sw+fa"](), KVCacheLayout.LBNHC, device="cuda")
+    _fill_random(model, 9)
     shard = max(len(g) * BPC * p for g, p in zip(model.groups, model.pages, strict=True))
-    return StreamStager(
-        model.caches,
-        model.groups,
-        host,
-        backend=_FakeAccel(),
-        num_blocks=model.num_blocks,
-        blocks_per_chunk=BPC,
-        shard_bytes=shard,
-        group_page_bytes=model.pages,
-        **kw,
-    )
+    slab = HostSlab(tmp_path / "slab", shard, slots)
+    stager = make_stager(model.caches, model.groups, slab, num_blocks=model.num_blocks,
+                         blocks_per_chunk=BPC, shard_bytes=shard, group_page_bytes=model.pages)
+    return model, slab, stager
 
 
-@pytest.mark.parametrize("model", ALL_MODELS[::3])
-def test_accelerator_path_logic_on_cpu(model: Model):
-    """The CUDA/XPU gather/scatter (staging layout, whole-chunk and partial copies, batching
-    under max_stage_bytes) checked bit-exactly without a GPU."""
-    _fill_random(model, 6)
-    host = _host(model, slots=4)
-    stager = _fake_stream_stager(
-        model, host, max_stage_bytes=3 * len(model.groups[-1]) * model.pages[-1]
-    )  # the cap forces several batches
-    g = len(model.groups) - 1
-    src = [[5, 6, 1, 2], [9, 0, 11]]  # a whole chunk, and a partial one with a null block
-    dst = [[20, 21, 22, 23], [30, 0, 31]]
-    want = {
-        (n, d): model.page(n, g, s).clone()
-        for n in model.groups[g]
-        for a, b in zip(src, dst, strict=True)
-        for s, d in zip(a, b, strict=True)
-        if s
-    }
-    stager.store(1, [Transfer(g, 0, 0, src[0]), Transfer(g, 1, 1, src[1])])
-    before = model.raw.clone().numpy()
-    stager.load(2, [Transfer(g, 0, 0, dst[0]), Transfer(g, 1, 1, dst[1])], before_compute=True)
-    assert stager.poll() == [(1, True), (2, True)]
-    for (n, d), page in want.items():
-        assert torch.equal(model.page(n, g, d), page)
-    changed = before != model.raw.numpy()
-    assert not (changed & ~model.page_ranges(g, [20, 21, 22, 23, 30, 31])).any()
-    assert stager.pending == 0
+# Long enough (about a second of GPU clock) that the copies of a few pages finish well inside it.
+_BUSY_CYCLES = 2_000_000_000
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_load_completes_while_the_compute_stream_is_busy(tmp_path):
+    """A load never makes compute wait and never waits for compute queued after it."""
+    model, slab, stager = _cuda_stager(tmp_path)
+    try:
+        stager.store(1, [Transfer(1, 0, 0, [5, 6, 7, 8])])
+        stager.wait([1])
+        stager.load(2, [Transfer(1, 0, 0, [20, 21, 22, 23])])
+        compute = torch.cuda.current_stream()
+        torch.cuda._sleep(_BUSY_CYCLES)  # the next forward
+        stager.wait([2])
+        assert not compute.query(), "the load waited for the compute work queued after it"
+        # And the store waits for the forward it follows (mark), not for later work.
+        torch.cuda._sleep(1000)
+        mark = stager.mark_compute()
+        torch.cuda._sleep(_BUSY_CYCLES)  # the step's sampling and the next forward
+        stager.store(3, [Transfer(1, 1, 0, [9, 10])], after=mark)
+        stager.wait([3])
+        assert not compute.query(), "the store waited for work queued after its forward"
+        assert sorted(stager.poll()) == [(1, True), (2, True), (3, True)]
+        for n in model.groups[1]:
+            for s, d in zip([5, 6, 7, 8], [20, 21, 22, 23], strict=True):
+                assert torch.equal(model.page(n, 1, d), model.page(n, 1, s))
+        torch.cuda.synchronize()
+        stager.close()
+    finally:
+        slab.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_jobs_in_flight_hold_no_device_memory(tmp_path):
+    model, slab, stager = _cuda_stager(tmp_path, slots=16)
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda._sleep(_BUSY_CYCLES)  # keeps every store below in flight
+        mark = stager.mark_compute()
+        for job in range(8):
+            stager.store(job, [Transfer(1, job, 0, [4 * job + 1 + i for i in range(4)])], after=mark)
+        assert stager.pending == 8
+        assert torch.cuda.memory_allocated() == before
+        stager.wait(range(8))
+        assert [ok for _, ok in stager.poll()] == [True] * 8
+        stager.close()
+    finally:
+        slab.close()

@@ -85,6 +85,52 @@ def test_default_path_and_pin_on_cpu():
         slab.unlink()
 
 
+def test_pin_pieces_end_on_slot_and_page_boundaries():
+    """No slot's copy spans two registrations, and no two registrations share a page."""
+    from kvstrata.tiers.host.slab import PAGE, register_pieces
+
+    slot = 3 * PAGE + PAGE // 8  # not a page multiple: a piece is a whole number of 8 slots
+    pieces = register_pieces(1 << 20, 50 * slot, slot, limit=10 * slot)
+    assert sum(n for _, n in pieces) == 50 * slot and len(pieces) > 1
+    for start, size in pieces[:-1]:
+        end = start + size - (1 << 20)
+        assert end % slot == 0 and end % PAGE == 0
+        assert size <= 10 * slot
+    big = register_pieces(0, 4 * slot, slot, limit=1)  # the limit below one unit: one unit each
+    assert all(n % slot == 0 for _, n in big)
+
+
+def test_failed_cuda_registration_clears_the_error_and_rolls_back(tmp_path, monkeypatch):
+    """A failed cudaHostRegister leaves CUDA's last error set; left there, the next kernel launch
+    check raises it. The slab registers through vLLM's helper, which clears it, and unregisters
+    the pieces it had registered."""
+    from vllm.v1.kv_offload.cpu import host_register as vllm_register
+
+    import kvstrata.tiers.host.slab as slab_mod
+
+    calls: list[str] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags=0):
+            calls.append("register")
+            return 0 if calls.count("register") == 1 else 1  # the second piece fails
+
+        def cudaGetLastError(self):
+            calls.append("get_last_error")
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append("unregister")
+            return 0
+
+    monkeypatch.setattr(vllm_register, "_load_cudart", lambda: FakeCudart())
+    monkeypatch.setattr(vllm_register.current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(slab_mod, "REGISTER_PIECE_BYTES", 2 * 4096, raising=False)
+    with HostSlab(tmp_path / "p.slab", 4096, 4) as slab:
+        assert slab.pin() is False and not slab.pinned
+    assert calls == ["register", "register", "get_last_error", "unregister"]
+
+
 def test_close_with_outstanding_views(tmp_path):
     slab = HostSlab(tmp_path / "v", 4096, 1)
     view = slab.slot(0)

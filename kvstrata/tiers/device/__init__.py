@@ -2,8 +2,9 @@
 
 Runs in the worker process. One stager per backend, all behind ``DeviceStager``'s API:
 
-* ``StreamStager`` (``stream.py``): CUDA/XPU, dedicated copy streams, events polled, gather and
-  scatter through a device staging buffer;
+* ``StreamStager`` (``stream.py``): CUDA/XPU, DMA copies (vLLM's ``swap_blocks_batch``) between KV
+  pages and pinned slab slots on dedicated streams, events polled, no device memory; its
+  primitives sit behind ``CopyDevice`` (``accel.py``) so tests drive it with a controlled double;
 * ``CpuStager`` (``cpu.py``): CPU engines, memmove of page runs on the calling thread (a job's
   chunks spread over a few threads), jobs complete synchronously.
 
@@ -18,6 +19,7 @@ from typing import Unpack
 
 import torch
 
+from kvstrata.tiers.device.accel import CopyDevice, TorchCopyDevice
 from kvstrata.tiers.device.base import DeviceStager, StagerGeometry
 from kvstrata.tiers.device.cpu import CpuStager, allow_amx_tiles
 from kvstrata.tiers.device.layout import NULL_BLOCK, Transfer, kv_device
@@ -26,16 +28,18 @@ from kvstrata.tiers.host import HostSlab
 
 __all__ = [
     "NULL_BLOCK",
+    "CopyDevice",
     "CpuStager",
     "DeviceStager",
     "StagerGeometry",
     "StreamStager",
+    "TorchCopyDevice",
     "Transfer",
     "allow_amx_tiles",
     "make_stager",
 ]
 
-# Device types whose torch module has the stream/event API StreamStager drives.
+# Device types StreamStager serves (TorchCopyDevice refuses a build lacking a primitive).
 STREAM_DEVICES = ("cuda", "xpu")
 
 
@@ -44,22 +48,21 @@ def make_stager(
     group_layers: Sequence[Sequence[str]],
     host: HostSlab | torch.Tensor,
     *,
-    max_stage_bytes: int = 256 << 20,
+    max_stage_bytes: int | None = None,
     pin: bool = True,
     copy_threads: int | None = None,
     **geometry: Unpack[StagerGeometry],
 ) -> DeviceStager:
     """The stager for ``kv_caches``' device (arguments: ``DeviceStager``, ``StreamStager``,
     ``CpuStager``). Options of the other backend are accepted and ignored, so one call site
-    serves every device: ``max_stage_bytes`` and ``pin`` apply to CUDA/XPU, ``copy_threads``
-    to CPU."""
+    serves every device: ``pin`` applies to CUDA/XPU, ``copy_threads`` to CPU;
+    ``max_stage_bytes`` is accepted and unused (there is no device staging buffer any more)."""
     kind = kv_device(kv_caches).type
     if kind in STREAM_DEVICES:
         return StreamStager(
             kv_caches,
             group_layers,
             host,
-            backend=getattr(torch, kind),
             max_stage_bytes=max_stage_bytes,
             pin=pin,
             **geometry,

@@ -2,7 +2,8 @@
 
 Host shard layout for group ``g`` (DESIGN.md "Units"): ``[layer of g][block j of the chunk][page_g]``
 at ``slot * slot_bytes + shard_index * shard_bytes``. A backend only decides how validated jobs are
-copied and when they complete (``_run``, ``wait``, ``order_before_compute``, ``close``).
+copied and when they complete (``_run``, ``wait``, ``close``; ``mark_compute`` where copies are
+queued on a device).
 """
 
 from __future__ import annotations
@@ -136,20 +137,23 @@ class DeviceStager(metaclass=_PicksBackend):
 
     # ---- public API --------------------------------------------------------------------------
 
-    def store(self, job_id: int, transfers: Iterable[Transfer]) -> None:
-        """Copy device pages into host slots (device -> host)."""
-        self._submit("store", job_id, [Transfer(*t) for t in transfers])
+    def store(self, job_id: int, transfers: Iterable[Transfer], *, after: Any = None) -> None:
+        """Copy device pages into host slots (device -> host).
 
-    def load(
-        self, job_id: int, transfers: Iterable[Transfer], *, before_compute: bool = False
-    ) -> None:
-        """Copy host slots into device pages (host -> device).
-
-        ``before_compute``: the next forward reads these blocks; order it after the load.
+        ``after``: a ``mark_compute()`` taken after the forward that wrote these pages; the copies
+        are ordered after it (default: after everything the compute stream has queued now).
         """
+        self._submit("store", job_id, [Transfer(*t) for t in transfers], after)
+
+    def load(self, job_id: int, transfers: Iterable[Transfer]) -> None:
+        """Copy host slots into device pages (host -> device). The job completes by ``poll``;
+        nothing else waits for it (the scheduler runs the request once it is reported)."""
         self._submit("load", job_id, [Transfer(*t) for t in transfers])
-        if before_compute:
-            self.order_before_compute([job_id])
+
+    def mark_compute(self) -> Any:
+        """A marker of the compute stream's work so far, for ``store(after=)``; None where
+        copies run on the calling thread (CPU: the forward is done when it returns)."""
+        return None
 
     def load_now(self, t: Transfer) -> None:
         """CPU devices: copy one host slot into its device pages on the calling thread (a
@@ -165,10 +169,6 @@ class DeviceStager(metaclass=_PicksBackend):
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until these jobs have finished (fences block reuse); ``poll`` still reports them."""
 
-    @abstractmethod
-    def order_before_compute(self, job_ids: Iterable[int]) -> None:
-        """Make the compute stream wait for these loads (no host synchronisation)."""
-
     @property
     @abstractmethod
     def pending(self) -> int:
@@ -181,10 +181,14 @@ class DeviceStager(metaclass=_PicksBackend):
     # ---- job plumbing ------------------------------------------------------------------------
 
     @abstractmethod
-    def _run(self, direction: Direction, job_id: int, transfers: list[Transfer]) -> None:
+    def _run(
+        self, direction: Direction, job_id: int, transfers: list[Transfer], after: Any = None
+    ) -> None:
         """Copy a validated job; its ``(job_id, ok)`` reaches ``_results`` now or by ``poll``."""
 
-    def _submit(self, direction: Direction, job_id: int, transfers: list[Transfer]) -> None:
+    def _submit(
+        self, direction: Direction, job_id: int, transfers: list[Transfer], after: Any = None
+    ) -> None:
         # Every transfer is checked before any copy: no address is formed from an unchecked id,
         # and a bad job touches nothing.
         try:
@@ -194,7 +198,7 @@ class DeviceStager(metaclass=_PicksBackend):
             logger.error("kvstrata: bad %s job %d: %s", direction, job_id, exc)
             self._results.append((job_id, False))
             return
-        self._run(direction, job_id, transfers)
+        self._run(direction, job_id, transfers, after)
 
     def _check(self, t: Transfer) -> None:
         if not 0 <= t.group < len(self._layers):

@@ -91,12 +91,9 @@ class CpuStager(DeviceStager):
         self._check(t)
         self._load_cpu(t)
 
-    # Jobs finish inside store/load, so there is never anything to wait for or to order.
+    # Jobs finish inside store/load, so there is never anything to wait for.
 
     def wait(self, job_ids: Iterable[int]) -> None:
-        pass
-
-    def order_before_compute(self, job_ids: Iterable[int]) -> None:
         pass
 
     @property
@@ -107,7 +104,9 @@ class CpuStager(DeviceStager):
         if self._pool is not None:
             self._pool.shutdown()
 
-    def _run(self, direction: Direction, job_id: int, transfers: list[Transfer]) -> None:
+    def _run(
+        self, direction: Direction, job_id: int, transfers: list[Transfer], after: object = None
+    ) -> None:
         ok = True
         copy = self._store_cpu if direction == "store" else self._load_cpu
         try:

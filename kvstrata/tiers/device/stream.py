@@ -1,49 +1,107 @@
-"""CUDA and XPU: copies on dedicated streams, completion by events, never a compute-stream sync.
+"""CUDA and XPU: DMA copies between KV block pages and pinned slab slots, on dedicated streams.
 
-Each direction has its own stream. A job first waits on the compute stream's queued work, gathers
-the pages of many blocks into a device staging buffer with one index op per layer, then moves it
-with a few large copies to/from the pinned slab; completion is an event polled with ``query()``.
-Both accelerators expose the same stream/event API (``torch.cuda``, ``torch.xpu``), so one class
-serves them through the backend module.
+The contract is vLLM 0.32's own offloading worker's (``vllm/v1/kv_offload/cpu/gpu_worker.py``,
+``.../kv_connector/v1/offloading/worker.py``; docs/DESIGN.md "tiers/device/"):
+
+* every byte moves with the copy engines, straight between a KV page and its place in a slot,
+  through one ``swap_blocks_batch`` call per job: no gather/scatter kernel takes SMs, and
+  kvstrata holds no device memory at all;
+* the call's pointer descriptors live in pinned host buffers from a pool; a buffer goes back to
+  the pool only when its job's event has completed;
+* a load's stream waits on the compute stream's queued work (the destination blocks may still be
+  written or read there); the compute stream never waits on a load: a load completes by its event
+  and is reported by ``poll`` (vLLM's ``finished_recving``);
+* a store's stream waits on the event ``mark_compute`` recorded after the forward that wrote its
+  blocks (the connector issues stores at the next step's start, after that step's sampling);
+* with an unpinned slab a copy blocks its caller until the stream reaches it, so copies are then
+  issued from one thread per direction, never from the engine thread.
+
+Each direction has one stream, so its jobs complete in submission order.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Unpack
 
+import numpy as np
 import torch
 
+from kvstrata.tiers.device.accel import CopyDevice, TorchCopyDevice
 from kvstrata.tiers.device.base import DeviceStager, Direction, StagerGeometry
-from kvstrata.tiers.device.layout import Transfer, block_runs
+from kvstrata.tiers.device.layout import LayerPages, Transfer, block_runs
 from kvstrata.tiers.host import HostSlab
 
 logger = logging.getLogger(__name__)
-
-# (slot, first chunk position, block ids) of one run of real blocks.
-_Run = tuple[int, int, list[int]]
 
 
 @dataclass
 class _Job:
     job_id: int
+    direction: Direction
     event: Any
-    ok: bool
-    keep: list[torch.Tensor]  # staging and index tensors that must outlive the copies
+    ok: bool = True
+    nbytes: int = 0
+    buffers: list[torch.Tensor] = field(default_factory=list)  # pooled descriptors in use
+    future: Future[None] | None = None  # unpinned slab: the copy thread's issue
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """Where one layer's page bytes are: block ``b``'s fragment ``i`` is ``size`` bytes at
+    ``base + b * stride + dev[i]`` on the device and at ``host[i]`` in the page's slab bytes."""
+
+    base: int
+    stride: int
+    dev: np.ndarray
+    host: np.ndarray
+    size: int
+
+
+def page_fragments(layer: LayerPages) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(device offsets, page offsets, bytes)`` of a page's contiguous pieces, in the page's
+    logical byte order (what the slab holds): one piece for a dense page; for layouts with the
+    block dim inside a page (LHBNC) one per run of its innermost contiguous dims."""
+    if layer.dense:
+        return np.zeros(1, np.int64), np.zeros(1, np.int64), layer.page
+    shape, strides = layer.rows.shape[1:], layer.rows.stride()[1:]
+    size, k = 1, len(shape)
+    while k and (shape[k - 1] == 1 or strides[k - 1] == size):
+        size *= shape[k - 1]
+        k -= 1
+    if k == 0:
+        return np.zeros(1, np.int64), np.zeros(1, np.int64), layer.page
+    idx = np.indices(shape[:k]).reshape(k, -1)  # C order: the logical order of the pieces
+    dev = (idx * np.asarray(strides[:k], np.int64)[:, None]).sum(0)
+    return dev.astype(np.int64), np.arange(idx.shape[1], dtype=np.int64) * size, size
+
+
+def merge_adjacent(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fold copies that continue the previous one on both sides into it (adjacent blocks of a
+    run whose pages are adjacent in memory become one descriptor)."""
+    if len(sizes) < 2:
+        return src, dst, sizes
+    cont = (src[1:] == src[:-1] + sizes[:-1]) & (dst[1:] == dst[:-1] + sizes[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return src[starts], dst[starts], np.add.reduceat(sizes, starts)
 
 
 class StreamStager(DeviceStager):
     """``DeviceStager`` for KV tensors on a CUDA or XPU device.
 
     Args (beyond ``DeviceStager``'s):
-        backend: the device's torch module (``torch.cuda``, ``torch.xpu``): ``Stream``,
-            ``Event``, ``stream()``, ``current_stream()``. Default: the one named by the KV
-            tensors' device type.
-        max_stage_bytes: cap on one device staging buffer (a job may use several in turn).
-        pin: register a ``HostSlab`` for DMA (pageable memory halves copy throughput or worse).
+        backend: the ``CopyDevice`` (default: ``TorchCopyDevice`` for the KV tensors' device,
+            which raises ValueError naming a missing primitive).
+        pin: register a ``HostSlab`` for DMA when it is not yet.
+        host_pinned: whether the host memory is pinned (default: the slab's state after ``pin``;
+            a plain tensor's ``is_pinned()``).
+        max_stage_bytes: accepted for callers of earlier versions; there is no staging buffer.
     """
 
     copies_on_host: ClassVar[bool] = False
@@ -54,176 +112,216 @@ class StreamStager(DeviceStager):
         group_layers: Sequence[Sequence[str]],
         host: HostSlab | torch.Tensor,
         *,
-        backend: Any = None,
-        max_stage_bytes: int = 256 << 20,
+        backend: CopyDevice | None = None,
         pin: bool = True,
+        host_pinned: bool | None = None,
+        max_stage_bytes: int | None = None,
         **geometry: Unpack[StagerGeometry],
     ) -> None:
         super().__init__(kv_caches, group_layers, host, **geometry)
-        self.max_stage_bytes = max_stage_bytes
-        self._mod = getattr(torch, self.device.type) if backend is None else backend
-        self._streams = {
-            "store": self._mod.Stream(device=self.device),
-            "load": self._mod.Stream(device=self.device),
-        }
+        del max_stage_bytes
+        self._dev: CopyDevice = TorchCopyDevice(self.device) if backend is None else backend
+        if host_pinned is None:
+            host_pinned = _pinned(host, pin)
+        self.host_pinned = host_pinned
+        self._streams = {"store": self._dev.new_stream(), "load": self._dev.new_stream()}
         self._inflight: dict[str, deque[_Job]] = {"store": deque(), "load": deque()}
-        self._events: dict[int, _Job] = {}
-        if pin and isinstance(host, HostSlab) and not host.pin():
-            logger.warning("host slab could not be pinned; transfers use pageable memory")
+        self._jobs: dict[int, _Job] = {}
+        self._pool: list[torch.Tensor] = []  # free pinned descriptor buffers
+        self._threads: dict[str, ThreadPoolExecutor] = {}
+        if not host_pinned:
+            logger.warning(
+                "kvstrata: the host slab is not pinned (registration failed or is unavailable): "
+                "KV copies run from pageable memory, slower, issued from copy threads so the "
+                "engine thread never waits for them"
+            )
+            self._threads = {
+                d: ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-{d}") for d in ("store", "load")
+            }
+        self._plans = [
+            [_LayerPlan(lp.rows.data_ptr(), lp.rows.stride(0), *page_fragments(lp)) for lp in layers]
+            for layers in self._layers
+        ]
 
     # ---- public API --------------------------------------------------------------------------
 
+    def mark_compute(self) -> Any:
+        event = self._dev.new_event()
+        event.record(self._dev.current_stream())
+        return event
+
     def poll(self) -> list[tuple[int, bool]]:
         for queue in self._inflight.values():
-            # Each direction's stream runs its jobs in order: stop at the first unfinished one.
-            while queue and queue[0].event.query():
+            # One stream per direction runs its jobs in order: stop at the first unfinished one.
+            while queue and self._done(queue[0]):
                 self._finish(queue.popleft())
         return super().poll()
 
     def wait(self, job_ids: Iterable[int]) -> None:
         for job_id in job_ids:
-            job = self._events.get(job_id)
+            job = self._jobs.get(job_id)
             if job is not None:
-                job.event.synchronize()
-
-    def order_before_compute(self, job_ids: Iterable[int]) -> None:
-        compute = self._mod.current_stream(self.device)
-        for job_id in job_ids:
-            job = self._events.get(job_id)
-            if job is not None:
-                compute.wait_event(job.event)
+                self._sync(job)
 
     @property
     def pending(self) -> int:
         return sum(len(q) for q in self._inflight.values())
 
+    @property
+    def descriptor_buffers(self) -> int:
+        """Pinned descriptor buffers held (in use and pooled): bounded by the jobs in flight."""
+        return len(self._pool) + sum(len(j.buffers) for j in self._jobs.values())
+
     def close(self) -> None:
         for queue in self._inflight.values():
             for job in queue:
-                job.event.synchronize()
+                self._sync(job)
+        for pool in self._threads.values():
+            pool.shutdown()
+        self.poll()
+        self._pool.clear()
 
     # ---- job plumbing ------------------------------------------------------------------------
 
-    def _run(self, direction: Direction, job_id: int, transfers: list[Transfer]) -> None:
-        stream = self._streams[direction]
-        # Pages written by kernels already queued (stores) and blocks still read by them (loads:
-        # the destination blocks may have just been freed) must be ordered before our copies.
-        stream.wait_stream(self._mod.current_stream(self.device))
-        job = _Job(job_id, self._mod.Event(), True, [])
-        with self._mod.stream(stream):
-            try:
-                if direction == "store":
-                    self._store(transfers, job.keep)
-                else:
-                    self._load(transfers, job.keep)
-            except Exception:
-                logger.exception("kvstrata: %s job %d failed", direction, job_id)
-                job.ok = False
-            # Record even after a failure: copies already issued must finish before the buffers
-            # go back to the allocator and before the slots are reused.
-            job.event.record(stream)
+    def _run(
+        self, direction: Direction, job_id: int, transfers: list[Transfer], after: Any = None
+    ) -> None:
+        job = _Job(job_id, direction, self._dev.new_event())
+        try:
+            if direction == "store":
+                for t in transfers:
+                    self._zero_positions(t.group, t.slot, block_runs(t.first_block, t.block_ids)[1])
+            src, dst, sizes = self._descriptors(direction, transfers)
+            job.nbytes = int(sizes.sum())
+            descs = self._upload(job, src, dst, sizes)
+        except Exception:
+            logger.exception("kvstrata: %s job %d failed before any copy", direction, job_id)
+            self._pool.extend(job.buffers)
+            self._results.append((job_id, False))
+            return
+        # The dependency is taken now, on the engine thread: a store waits for the forward that
+        # wrote its blocks (``after``), a load for what the compute stream has queued so far.
+        dep = after if after is not None else self.mark_compute()
+        if self._threads:
+            job.future = self._threads[direction].submit(self._issue, direction, job, dep, descs)
+        else:
+            self._issue(direction, job, dep, descs)
         self._inflight[direction].append(job)
-        self._events[job_id] = job
+        self._jobs[job_id] = job
+
+    def _issue(self, direction: Direction, job: _Job, dep: Any, descs: tuple[Any, ...]) -> None:
+        stream = self._streams[direction]
+        try:
+            stream.wait_event(dep)
+            with self._dev.use_stream(stream):
+                try:
+                    if descs:
+                        # Host sources (loads) are never written by a device stream: the copy
+                        # engine may read them out of stream order, as vLLM's worker lets it.
+                        self._dev.copy_batch(*descs, src_order_any=direction == "load")
+                except Exception:
+                    logger.exception("kvstrata: %s job %d failed", direction, job.job_id)
+                    job.ok = False
+                # Recorded even after a failure: copies already queued must finish before the
+                # descriptors go back to the pool and before the slots or blocks are reused.
+                job.event.record(stream)
+        except Exception:
+            self._lost(job, "its stream or event failed")
+
+    def _lost(self, job: _Job, why: str) -> None:
+        """A device error: nothing tells when the job's queued copies end. It fails, and its
+        descriptors (possibly still read) are dropped rather than pooled."""
+        logger.exception("kvstrata: %s job %d: %s", job.direction, job.job_id, why)
+        job.ok, job.buffers, job.event = False, [], None
+
+    def _done(self, job: _Job) -> bool:
+        if job.future is not None and not job.future.done():
+            return False
+        if job.event is None:
+            return True
+        try:
+            return bool(job.event.query())
+        except Exception:
+            self._lost(job, "its completion event failed")
+            return True
+
+    def _sync(self, job: _Job) -> None:
+        if job.future is not None:
+            job.future.result()  # _issue never raises
+        if job.event is not None:
+            try:
+                job.event.synchronize()
+            except Exception:
+                self._lost(job, "waiting for it failed")
 
     def _finish(self, job: _Job) -> None:
-        self._events.pop(job.job_id, None)
-        job.keep.clear()
+        self._jobs.pop(job.job_id, None)
+        self._pool.extend(job.buffers)
+        job.buffers = []
+        if job.ok:
+            self._count(job.direction, job.nbytes)
         self._results.append((job.job_id, job.ok))
 
-    # ---- gather / scatter --------------------------------------------------------------------
+    # ---- descriptors -------------------------------------------------------------------------
 
-    def _batches(self, transfers: list[Transfer]) -> Iterator[tuple[int, list[_Run]]]:
-        """Per group, runs ``(slot, first position, ids)`` batched under ``max_stage_bytes``."""
-        by_group: dict[int, list[_Run]] = {}
+    def _descriptors(
+        self, direction: Direction, transfers: list[Transfer]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Raw-pointer copies of a validated job, merged where both sides are adjacent."""
+        srcs: list[np.ndarray] = []
+        dsts: list[np.ndarray] = []
+        sizes: list[np.ndarray] = []
         for t in transfers:
             runs, _ = block_runs(t.first_block, t.block_ids)
-            by_group.setdefault(t.group, []).extend((t.slot, j0, ids) for j0, ids in runs)
-        for g, runs in by_group.items():
-            row_bytes = len(self._layers[g]) * self.group_page_bytes[g]
-            batch: list[_Run] = []
-            size = 0
-            for run in runs:
-                if batch and size + len(run[2]) * row_bytes > self.max_stage_bytes:
-                    yield g, batch
-                    batch, size = [], 0
-                batch.append(run)
-                size += len(run[2]) * row_bytes
-            if batch:
-                yield g, batch
+            if not runs:
+                continue
+            pos = np.concatenate([np.arange(j0, j0 + len(ids)) for j0, ids in runs]).astype(np.int64)
+            blocks = np.concatenate([np.asarray(ids, np.int64) for _, ids in runs])
+            page = self.group_page_bytes[t.group]
+            shard = self._host_ptr + t.slot * self.slot_bytes + self._shard_offset
+            for li, plan in enumerate(self._plans[t.group]):
+                dev = (plan.base + blocks * plan.stride)[:, None] + plan.dev[None, :]
+                host = (shard + (li * self.bpc + pos) * page)[:, None] + plan.host[None, :]
+                dev, host = dev.reshape(-1), host.reshape(-1)
+                srcs.append(dev if direction == "store" else host)
+                dsts.append(host if direction == "store" else dev)
+                sizes.append(np.full(len(dev), plan.size, np.int64))
+        if not sizes:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        return merge_adjacent(np.concatenate(srcs), np.concatenate(dsts), np.concatenate(sizes))
 
-    def _stage_index(
-        self, g: int, runs: list[_Run], keep: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int]:
-        """Staging layout ``[run][layer][block of run][page]``: returns the device block ids, the
-        staging row of (run, layer 0, block i) and the run length per block, plus each run's base
-        row and the total rows. The staging row of layer l is ``base + l * k``."""
-        n_layers = len(self._layers[g])
-        ids: list[int] = []
-        base: list[int] = []
-        klen: list[int] = []
-        run_base: list[int] = []
-        row = 0
-        for _, _, run_ids in runs:
-            k = len(run_ids)
-            run_base.append(row)
-            ids.extend(run_ids)
-            base.extend(range(row, row + k))
-            klen.extend([k] * k)
-            row += n_layers * k
-        dev = self.device
-        t_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        t_base = torch.tensor(base, dtype=torch.long).to(dev, non_blocking=True)
-        t_k = torch.tensor(klen, dtype=torch.long).to(dev, non_blocking=True)
-        keep.extend((t_ids, t_base, t_k))
-        return t_ids, t_base, t_k, run_base, row
+    def _upload(
+        self, job: _Job, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
+    ) -> tuple[Any, ...]:
+        """Write the descriptors into three pooled pinned buffers the job holds until its event
+        completes (the copy op may read them until then)."""
+        n = len(sizes)
+        if n == 0:
+            return ()
+        views = []
+        for values in (src, dst, sizes):
+            buf = self._take_buffer(n)
+            job.buffers.append(buf)
+            view = buf[:n]
+            view.numpy()[:] = values.astype(view.numpy().dtype, copy=False)
+            views.append(view)
+        return tuple(views)
 
-    def _store(self, transfers: list[Transfer], keep: list[torch.Tensor]) -> None:
-        for t in transfers:
-            self._zero_positions(t.group, t.slot, block_runs(t.first_block, t.block_ids)[1])
-        for g, runs in self._batches(transfers):
-            layers, page = self._layers[g], self.group_page_bytes[g]
-            ids, base, klen, run_base, total = self._stage_index(g, runs, keep)
-            stage = torch.empty((total, page), dtype=torch.int8, device=self.device)
-            keep.append(stage)
-            for li, layer in enumerate(layers):
-                rows = layer.rows.index_select(0, ids)
-                stage.index_copy_(0, base + li * klen, rows.view(-1, page))
-            host = self._host[g]
-            n_layers = len(layers)
-            for (slot, j0, run_ids), r0 in zip(runs, run_base, strict=True):
-                k = len(run_ids)
-                if k == self.bpc:  # whole chunk: the shard region is one contiguous range
-                    host[slot].view(-1).copy_(
-                        stage[r0 : r0 + n_layers * k].view(-1), non_blocking=True
-                    )
-                else:
-                    for li in range(n_layers):
-                        host[slot, li, j0 : j0 + k].copy_(
-                            stage[r0 + li * k : r0 + (li + 1) * k], non_blocking=True
-                        )
-                self._count("store", k * n_layers * page)
+    def _take_buffer(self, n: int) -> torch.Tensor:
+        for i, buf in enumerate(self._pool):
+            if buf.numel() >= n:
+                return self._pool.pop(i)
+        if self._pool:
+            self._pool.pop(0)  # too small for this job: let a bigger one replace it
+        # Rounded up so buffers are reused across jobs of similar size.
+        return self._dev.descriptor_buffer(max(256, 1 << (n - 1).bit_length()))
 
-    def _load(self, transfers: list[Transfer], keep: list[torch.Tensor]) -> None:
-        for g, runs in self._batches(transfers):
-            layers, page = self._layers[g], self.group_page_bytes[g]
-            ids, base, klen, run_base, total = self._stage_index(g, runs, keep)
-            stage = torch.empty((total, page), dtype=torch.int8, device=self.device)
-            keep.append(stage)
-            host = self._host[g]
-            n_layers = len(layers)
-            for (slot, j0, run_ids), r0 in zip(runs, run_base, strict=True):
-                k = len(run_ids)
-                if k == self.bpc:
-                    stage[r0 : r0 + n_layers * k].view(-1).copy_(
-                        host[slot].view(-1), non_blocking=True
-                    )
-                else:
-                    for li in range(n_layers):
-                        stage[r0 + li * k : r0 + (li + 1) * k].copy_(
-                            host[slot, li, j0 : j0 + k], non_blocking=True
-                        )
-                self._count("load", k * n_layers * page)
-            # Scatter after every host copy of the batch is queued: one index op per layer.
-            for li, layer in enumerate(layers):
-                src = stage.index_select(0, base + li * klen)
-                layer.rows.index_copy_(0, ids, src if layer.dense else src.view(-1, *layer.inner))
+
+def _pinned(host: HostSlab | torch.Tensor, pin: bool) -> bool:
+    if isinstance(host, HostSlab):
+        return host.pinned or (pin and host.pin())
+    try:
+        return bool(host.is_pinned())
+    except RuntimeError:  # no accelerator runtime to ask
+        return False

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import stat
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +33,17 @@ PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23
 # cudaHostRegister is called in pieces (as vLLM does) because very large single registrations
 # have been seen to fail on some drivers.
-_REGISTER_PIECE = 64 << 30
+REGISTER_PIECE_BYTES = 64 << 30
+
+
+def register_pieces(base: int, nbytes: int, slot_bytes: int, limit: int = REGISTER_PIECE_BYTES) -> list[tuple[int, int]]:
+    """``(address, size)`` pieces covering ``nbytes`` at ``base`` (page aligned) for host
+    registration: each at most ``limit`` bytes unless one unit is larger, every boundary on a
+    slot boundary (one slot's copy never spans two registrations) and on a page boundary (the
+    driver registers whole pages; two pieces sharing a page would overlap)."""
+    unit = math.lcm(slot_bytes, PAGE)
+    piece = max(1, limit // unit) * unit
+    return [(base + off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
 
 
 _fence_lock = threading.Lock()
@@ -89,6 +101,7 @@ class HostSlab:
         board_bytes = -(-self.num_slots * 8 // PAGE) * PAGE
         self.file_bytes = self.nbytes + board_bytes
         self._registered: list[int] = []
+        self._unregister: Callable[[int], None] | None = None
         self._tensor: torch.Tensor | None = None
 
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
@@ -192,56 +205,40 @@ class HostSlab:
     def pinned(self) -> bool:
         return bool(self._registered)
 
-    def pin(self) -> bool:
-        """Page-lock the slab for DMA (cudaHostRegister / XPU host register).
+    def pin(self, register: Callable[[int, int], bool] | None = None,
+            unregister: Callable[[int], None] | None = None) -> bool:
+        """Page-lock the slab for DMA, in ``register_pieces``.
 
-        Returns True when the slab is now pinned. A no-op returning False on CPU-only builds, or
-        when registration fails: transfers still work on pageable memory, only slower.
+        Registers through vLLM's own helpers (``vllm/v1/kv_offload/cpu/host_register.py``):
+        cudaHostRegister on CUDA/ROCm, which clears CUDA's last error after a failure (left set,
+        the next kernel launch check would raise an unrelated error), and XPU's host register.
+        Returns True when the slab is now pinned; False (nothing left registered) on CPU-only
+        builds, without vLLM, or when registration fails. ``register``/``unregister`` replace
+        the helpers (tests).
         """
         if self._registered:
             return True
-        try:
-            import torch
-        except ImportError:
-            return False
-        base = self.data_ptr
-        pieces = [
-            (base + off, min(_REGISTER_PIECE, self.nbytes - off))
-            for off in range(0, self.nbytes, _REGISTER_PIECE)
-        ]
-        if torch.cuda.is_available():
-            cudart = torch.cuda.cudart()
-            for ptr, size in pieces:
-                if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
-                    self.unpin()
-                    return False
-                self._registered.append(ptr)
-            return True
-        xpu_register = getattr(getattr(torch.ops, "_C", None), "xpu_host_register", None)
-        if hasattr(torch, "xpu") and torch.xpu.is_available() and xpu_register is not None:
-            for ptr, size in pieces:
-                if not xpu_register(ptr, size):
-                    self.unpin()
-                    return False
-                self._registered.append(ptr)
-            return True
-        return False
+        if register is None or unregister is None:
+            try:
+                from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+            except ImportError:
+                return False
+            register, unregister = host_register, host_unregister
+        self._unregister = unregister
+        for ptr, size in register_pieces(
+            self.data_ptr, self.nbytes, self.slot_bytes, REGISTER_PIECE_BYTES
+        ):
+            if not register(ptr, size):
+                self.unpin()
+                return False
+            self._registered.append(ptr)
+        return True
 
     def unpin(self) -> None:
-        if not self._registered:
-            return
-        import torch
-
-        if torch.cuda.is_available():
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-        else:
-            unregister = getattr(getattr(torch.ops, "_C", None), "xpu_host_unregister", None)
-            if unregister is not None:
-                for ptr in self._registered:
-                    unregister(ptr)
-        self._registered.clear()
+        registered, self._registered = self._registered, []
+        for ptr in reversed(registered):
+            if self._unregister is not None:
+                self._unregister(ptr)
 
     # ---- lifetime ----------------------------------------------------------------------------
 
