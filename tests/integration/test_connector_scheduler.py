@@ -100,6 +100,29 @@ def test_served_chunks_come_from_disk_after_restart(runners, tmp_path: Path) -> 
     assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] > 0
 
 
+def test_a_finished_request_says_what_kvstrata_served_it_and_from_which_tier(runners, tmp_path: Path) -> None:
+    """Per request, the tokens kvstrata served and their tier (``kv_transfer_params``), apart
+    from vLLM's own prefix-cache hits: what the end-to-end tests count as "served"."""
+    store = tmp_path / "persist"
+    prompt = _prompt(100)
+    first = runners([G("full", 16)], store=store)
+    cold = first.add(prompt, 1)
+    first.run_until_idle()
+    # vLLM's own prefix cache serves its 6 whole blocks (96 tokens), kvstrata only the tail.
+    again = first.add(prompt, 1)
+    first.run_until_idle()
+    first.drop_gpu_prefix_cache()
+    host = first.add(prompt, 1)
+    first.run_until_idle()
+    assert first.served[cold.request_id] == {} and first.served[again.request_id] == {"host": 4}
+    assert first.served[host.request_id] == {"host": 100}
+    first.close()
+    second = runners([G("full", 16)], store=store)
+    disk = second.add(prompt, 1)
+    second.run_until_idle()
+    assert second.served[disk.request_id] == {"disk": 100}
+
+
 def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path, monkeypatch) -> None:
     """A restarted engine whose first request waits on disk -> host promotions: its empty steps
     wait for them (bounded by IDLE_WAIT_S) instead of spinning, and its lookup is not re-run
