@@ -129,10 +129,11 @@ def _llama_with_eagle(out: Path, seed: int) -> Path:
 # A host tier too small for a round's prompts: chunks are evicted between requests and come
 # from disk again (the smallest host tier kvstrata accepts).
 TIGHT_HOST = Restart("tight_host", host_bytes=1 << 20)
-# Warm start after a restart: the chunks used last are promoted in the background (milliseconds
-# for these stores; the engine is idle meanwhile), so the round is served from the host tier.
+# Warm start after a restart: the chunks used last are promoted in the background while the
+# engine is idle; the round starts once they landed (waited for, not slept through), so it is
+# served from the host tier.
 WARM_START = Restart("warm_start", {"warm_start_bytes": HOST_BYTES},
-                     steps=({"op": "sleep", "seconds": 3.0},))
+                     steps=({"op": "wait_warm_start", "timeout_s": JOB_TIMEOUT_S},))
 
 # vLLM's dtype "auto" runs a float32 checkpoint in bf16 (KV cache included), where the KV a
 # forward writes depends on the batch around it (kernel tiles): float32 keeps the comparison with

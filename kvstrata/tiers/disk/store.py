@@ -77,6 +77,7 @@ class DiskStore:
         full_retry_s: float = 30.0,
         max_age_s: float | None = None,
         idle_writer: bool = False,
+        clock_us: Callable[[], int] = now_us,
     ) -> None:
         if codec not in ("auto", "raw"):
             raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
@@ -90,6 +91,7 @@ class DiskStore:
         self._counts = Counters()
         self._tick_lock = threading.Lock()
         self._last_tick = 0
+        self._clock_us = clock_us  # wall-clock microseconds: access ticks and max_age_s
         self._close_lock = threading.Lock()
         self._closed = False
         self._logged_damage: set[str] = set()
@@ -103,7 +105,7 @@ class DiskStore:
                 self._env, self._counts, budget_bytes=self.budget_bytes, evict_slack=evict_slack,
                 max_age_s=max_age_s, sync_interval_s=sync_interval_s, sync_bytes=sync_bytes,
                 touch_flush_interval_s=touch_flush_interval_s, full_retry_s=full_retry_s,
-                idle=idle_writer)
+                idle=idle_writer, clock_us=clock_us)
             if self.unclean_shutdown:
                 self._recovery = Recovery(self._writer, self._counts)
 
@@ -417,7 +419,7 @@ class DiskStore:
     def _next_tick(self) -> int:
         # Wall-clock microseconds (comparable across processes), strictly increasing here.
         with self._tick_lock:
-            self._last_tick = max(self._last_tick + 1, now_us())
+            self._last_tick = max(self._last_tick + 1, self._clock_us())
             return self._last_tick
 
     def _touch(self, keys: Sequence[bytes]) -> None:
