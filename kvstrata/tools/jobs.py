@@ -49,7 +49,8 @@ def run_job(job: dict[str, Any], progress: ProgressFn | None = None) -> dict[str
       "cache_salt": s (or one per prompt), "ignore_eos": b, "kv_transfer_params": {...},
       "logprobs": k}`` (all but prompts optional)
     * ``{"op": "reset_prefix_cache"}`` (vLLM's device prefix cache only; kvstrata keeps its tiers)
-    * ``{"op": "drop_page_cache"}``
+    * ``{"op": "drop_page_cache", "required": b}``: its ``ok`` says whether the page cache was
+      dropped; ``required`` makes a failure to drop it an error (a run that claims cold reads)
     * ``{"op": "sleep", "seconds": s}``
     * ``{"op": "wait_warm_start", "timeout_s": t}``: until kvstrata's warm start (if any) has
       promoted what it will (an engine core in this process only)
@@ -107,7 +108,11 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
     if op == "reset_prefix_cache":
         return {"op": op, "name": name, "ok": bool(llm.reset_prefix_cache())}
     if op == "drop_page_cache":
-        return {"op": op, "name": name, "ok": drop_page_cache()}
+        dropped = drop_page_cache()
+        if step.get("required") and not dropped:
+            raise PermissionError("could not drop the page cache (/proc/sys/vm/drop_caches needs root); "
+                                  "this run's reads would come from memory, not the device")
+        return {"op": op, "name": name, "ok": dropped}
     if op == "sleep":
         time.sleep(float(step["seconds"]))
         return {"op": op, "name": name}

@@ -81,7 +81,7 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
                                  {"op": "reset_prefix_cache"}, generate_step("host")],
                           tmp_path / "first.log")
         events_1 = sub.take()
-        restart = run_phase(opts, [{"op": "drop_page_cache"}, generate_step("disk")],
+        restart = run_phase(opts, [{"op": "drop_page_cache", "required": True}, generate_step("disk")],
                             tmp_path / "restart.log")
         events_2 = sub.take()
     finally:
