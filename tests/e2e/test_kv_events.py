@@ -107,4 +107,5 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
     stored_1 = _stored(events_1, "STORAGE")
     assert stored_1 and _chunk_hashes(announced) == _chunk_hashes(stored_1)
     described = described_blocks([e for e in announced if e.token_ids])
+    assert described, "no announced chunk was described (the first requests looked them all up)"
     assert all(gpu[h] == payload for h, payload in described.items())
