@@ -49,6 +49,15 @@ class RequestState:
     prompt_tail_keys: dict[int, bytes] | None = None
     prompt_tail_hashed: bool = False
     prompt_tail_hit: bool = False
+    # Tokens kvstrata served this request by the tier they came from (its last load that
+    # succeeded), handed back in the request's output (``SERVED_PARAM``).
+    served: dict[str, int] = field(default_factory=dict)
+
+
+# The key of a finished request's ``kv_transfer_params`` (``RequestOutput.kv_transfer_params``)
+# under which kvstrata says what it served that request: ``{tier: tokens}``, present only when it
+# served some. vLLM's ``num_cached_tokens`` also counts its own prefix-cache hits; this does not.
+SERVED_PARAM = "kvstrata_served_tokens"
 
 
 @dataclass

@@ -25,10 +25,16 @@ from kvstrata.connector.events import KVEvents
 from kvstrata.connector.lookup import LookupMixin
 from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, TransferJob
 from kvstrata.connector.plan import KVPlan
-from kvstrata.connector.request_state import GroupState, Job, RequestState, request_cap
+from kvstrata.connector.request_state import (
+    SERVED_PARAM,
+    GroupState,
+    Job,
+    RequestState,
+    request_cap,
+)
 from kvstrata.connector.stats import StrataStats
 from kvstrata.connector.store_jobs import StoreJobsMixin
-from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE
+from kvstrata.tiers.hierarchy import TIER_DISK, TIER_HOST, TIER_REMOTE
 from kvstrata.tiers.manager import TierManager
 
 # Longest an empty engine step waits for promotions from disk (see StrataScheduler._idle_wait).
@@ -269,6 +275,9 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
                 self.stats.hit_tokens_disk += lower.get(TIER_DISK, 0)
                 self.stats.hit_tokens_remote += lower.get(TIER_REMOTE, 0)
                 self.stats.hit_tokens_host += tokens - sum(lower.values())
+                if st is not None:
+                    served = {TIER_HOST: tokens - sum(lower.values()), **lower}
+                    st.served = {tier: n for tier, n in served.items() if n}
             else:
                 self.stats.load_failures += 1
                 if st is not None:
@@ -301,7 +310,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             job = self._jobs[job_id]
             for bid in job.deferred_fence:
                 self._block_jobs.setdefault(bid, set()).add(job_id)
-        return False, None
+        return False, ({SERVED_PARAM: dict(st.served)} if st.served else None)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._jobs)

@@ -25,7 +25,7 @@ import shutil
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,8 @@ def kvstrata_contender(model: Path, args: argparse.Namespace) -> Contender:
     def stored(store: Path, model_path: str) -> dict[str, Any]:
         held = store_summary(store, model_path).get("model") or {}
         return {"bytes": held.get("stored_bytes", 0), "raw_bytes": held.get("raw_bytes", 0),
-                "compression_ratio": round(held.get("compression_ratio", 1.0), 3),
+                # None when nothing of the model was found stored: no ratio was measured.
+                "compression_ratio": round(held["compression_ratio"], 3) if held.get("stored_bytes") else None,
                 "stored_tokens": held.get("tokens", 0)}
 
     return Contender("kvstrata", options, stored)
@@ -210,11 +211,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kvstrata_config": args.kvstrata_config,
         "kvstrata_bytes": int(statistics.median(r["bytes"] for r in mine)),
         "kv_raw_bytes": int(statistics.median(r["raw_bytes"] for r in mine)),
-        "compression_ratio": statistics.median(r["compression_ratio"] for r in mine),
+        "compression_ratio": _median_or_none(r["compression_ratio"] for r in mine),
     }
     result["goals"] = _goals(result)
     result["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in mine]
     return result
+
+
+def _median_or_none(values: Iterable[float | None]) -> float | None:
+    """The median of the measured values; None (not measured) when there is none."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
 
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:

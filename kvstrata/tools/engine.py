@@ -146,6 +146,9 @@ class Completion:
     # The first generated token's top log-probabilities, ``[[token_id, logprob], ...]`` best
     # first, when asked for (``logprobs``).
     first_logprobs: list[list[float]] | None = None
+    # Prompt tokens kvstrata served this request, by tier (``{"host": n, "disk": m}``; empty when
+    # it served none). ``num_cached_tokens`` adds vLLM's own prefix-cache hits to these.
+    served: dict[str, int] = field(default_factory=dict)
 
 
 def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int, *,
@@ -163,6 +166,8 @@ def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int, *,
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from kvstrata.connector.request_state import SERVED_PARAM
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                             detokenize=not llm.llm_engine.model_config.skip_tokenizer_init,
@@ -194,6 +199,7 @@ def generate(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int, *,
             num_cached_tokens=int(out.num_cached_tokens or 0),
             first_logprobs=None if first is None else sorted(
                 ([int(t), float(lp.logprob)] for t, lp in first.items()), key=lambda e: -e[1]),
+            served={str(t): int(n) for t, n in ((out.kv_transfer_params or {}).get(SERVED_PARAM) or {}).items()},
         ))
     return result
 

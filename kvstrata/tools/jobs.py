@@ -49,8 +49,11 @@ def run_job(job: dict[str, Any], progress: ProgressFn | None = None) -> dict[str
       "cache_salt": s (or one per prompt), "ignore_eos": b, "kv_transfer_params": {...},
       "logprobs": k}`` (all but prompts optional)
     * ``{"op": "reset_prefix_cache"}`` (vLLM's device prefix cache only; kvstrata keeps its tiers)
-    * ``{"op": "drop_page_cache"}``
+    * ``{"op": "drop_page_cache", "required": b}``: its ``ok`` says whether the page cache was
+      dropped; ``required`` makes a failure to drop it an error (a run that claims cold reads)
     * ``{"op": "sleep", "seconds": s}``
+    * ``{"op": "wait_warm_start", "timeout_s": t}``: until kvstrata's warm start (if any) has
+      promoted what it will (an engine core in this process only)
     * ``{"op": "signal", "path": p}`` (creates the file ``p``) and
       ``{"op": "wait_for", "path": p, "timeout_s": t}`` (until ``p`` exists): hand-offs between
       engines running at the same time, e.g. two replicas on one store
@@ -105,9 +108,19 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
     if op == "reset_prefix_cache":
         return {"op": op, "name": name, "ok": bool(llm.reset_prefix_cache())}
     if op == "drop_page_cache":
-        return {"op": op, "name": name, "ok": drop_page_cache()}
+        dropped = drop_page_cache()
+        if step.get("required") and not dropped:
+            raise PermissionError("could not drop the page cache (/proc/sys/vm/drop_caches needs root); "
+                                  "this run's reads would come from memory, not the device")
+        return {"op": op, "name": name, "ok": dropped}
     if op == "sleep":
         time.sleep(float(step["seconds"]))
+        return {"op": op, "name": name}
+    if op == "wait_warm_start":
+        timeout_s = float(step.get("timeout_s", 300.0))
+        say(f"{name}: waiting for the warm start")
+        if not _strata_scheduler(llm).hierarchy.wait_warm_start(timeout_s):
+            raise TimeoutError(f"the warm start did not end within {timeout_s:.0f} s")
         return {"op": op, "name": name}
     if op == "signal":
         Path(step["path"]).touch()
@@ -122,6 +135,17 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
             time.sleep(0.05)
         return {"op": op, "name": name}
     raise ValueError(f"unknown job step {op!r}")
+
+
+def _strata_scheduler(llm: LLM) -> Any:
+    """kvstrata's scheduler side in this process's engine core (``multiprocess`` False)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise ValueError("this step needs the engine core in this process (multiprocess: false)")
+    connector = core.scheduler.get_kv_connector()
+    if connector is None:
+        raise ValueError("this engine runs without kvstrata")
+    return connector.scheduler
 
 
 class JobError(RuntimeError):

@@ -88,26 +88,35 @@ def _index_batches(store: DiskStore, found: Findings) -> Iterator[list[bytes]]:
 
 
 def _unreachable(store: DiskStore, keys: list[bytes]) -> list[bytes]:
-    """Those of ``keys`` (found by a scan) that a lookup by key does not find: damaged keys."""
+    """Those of ``keys`` (found by an earlier scan, absent from a later check) that a scan still
+    finds but a lookup by key does not: damaged keys. Both are judged in one read transaction,
+    so a record deleted since the scan (evicted by a live server) is gone, not damaged."""
     def body(txn: lmdb.Transaction, h: rec.Handles) -> list[bytes]:
         index, payload = txn.cursor(db=h.index), txn.cursor(db=h.payload)
-        return [k for k in keys if not index.set_key(k) and not payload.set_key(k)]
+        lost = {k for k in keys if not index.set_key(k) and not payload.set_key(k)}
+        if not lost:
+            return []
+        # One walk of the index in this same snapshot: a key it meets exists, so the lookup
+        # that missed it was misled by damaged key bytes; one it does not meet was deleted.
+        return [k for k in txn.cursor(db=h.index).iternext(keys=True, values=False) if k in lost]
 
-    return store.read(body)
+    try:
+        return store.read(body)
+    except rec.LMDB_DAMAGE:
+        return list(keys)  # the walk cannot be done: as the scan saw it, they are unreachable
 
 
 def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
-    """Check every indexed record on ``threads`` threads (zstd releases the GIL)."""
+    """Check every indexed record on ``threads`` threads (zstd releases the GIL). A record the
+    scan found and the check did not is judged at the end (``_unreachable``), in one snapshot."""
     window: deque[Future[list[tuple[bytes, bool, str | None]]]] = deque()
+    vanished: list[bytes] = []
 
     def drain(bar: Any) -> None:
-        results = window.popleft().result()
-        gone = [key for key, present, _ in results if not present]
-        unreachable = set(_unreachable(store, gone)) if gone else set()
-        for key, present, problem in results:
-            found.checked += int(present or key in unreachable)
-            if key in unreachable:
-                found.bad.append((key, UNREACHABLE))
+        for key, present, problem in window.popleft().result():
+            found.checked += int(present)
+            if not present:
+                vanished.append(key)
             elif problem is not None:
                 found.bad.append((key, problem))
                 found.unreadable_index += problem == rec.INDEX_UNREADABLE
@@ -123,6 +132,9 @@ def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
                 drain(bar)
         while window:
             drain(bar)
+    unreachable = _unreachable(store, vanished) if vanished else []
+    found.checked += len(unreachable)
+    found.bad.extend((key, UNREACHABLE) for key in unreachable)
 
 
 def _check_orphans(store: DiskStore, found: Findings) -> None:

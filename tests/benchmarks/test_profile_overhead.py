@@ -29,14 +29,17 @@ def test_gil_and_running_time_are_attributed_per_thread_and_to_kvstrata(tmp_path
         sleeper.join()
     out = prof.summarise(gil.text(), running.text(), 100)
     main = out["threads"]["MainThread"]
-    assert main["gil_s"] > 1.0 and main["runnable_s"] > 1.0
+    # Shares of the samples, not seconds: a loaded machine samples less often, not differently.
+    # The spinning main thread holds the GIL in most samples that find it held and is runnable.
+    gil_total = sum(t["gil_s"] for t in out["threads"].values())
+    assert main["gil_s"] > gil_total / 2 and main["runnable_s"] > 0
     assert 0 < out["main_thread_gil_in_kvstrata_s"] < out["main_thread_gil_s"]
     [(top, seconds)] = list(out["main_thread_kvstrata_functions_s"].items())[:1]
     assert top.startswith("chunk_group (tiers/hierarchy/shared.py") and seconds > 0
-    # A sleeping thread holds no GIL and waits for no CPU (at most a sample as it starts; the
-    # label drops the pool suffix).
+    # A sleeping thread holds no GIL and waits for no CPU (at most a few samples as it starts,
+    # 5 at this rate; the label drops the pool suffix).
     sleeper_figures = out["threads"].get("sleeper", {"gil_s": 0.0, "runnable_s": 0.0})
-    assert sleeper_figures["gil_s"] <= 0.05 and sleeper_figures["runnable_s"] <= 0.05
+    assert sleeper_figures["gil_s"] <= 5 / 100 and sleeper_figures["runnable_s"] <= 5 / 100
 
 
 def test_raw_lines_parse_with_and_without_thread_names() -> None:

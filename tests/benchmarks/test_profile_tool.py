@@ -79,15 +79,20 @@ def test_cpu_snapshot_names_this_process_threads_and_counts_their_cpu() -> None:
             x += 1
 
     worker = threading.Thread(target=spin, name="kvstrata-read_0")
-    before = prof._cpu_snapshot()
-    worker.start()
-    time.sleep(0.2)
-    after = prof._cpu_snapshot()
-    done.set()
-    worker.join()
     me = f"{prof._comm('/proc/self/comm')}[{os.getpid()}]"
     # The pool's numbered suffix is folded; a thread born after the first snapshot counts from 0.
     row = f"{me} thread kvstrata-read"
+    before = prof._cpu_snapshot()
+    worker.start()
+    # Waits for the spinning thread's CPU to show (however loaded the machine), not a fixed time:
+    # a snapshot that did not count it would never show it.
+    for _ in range(6000):
+        after = prof._cpu_snapshot()
+        if after.get(row, 0.0) > 0.02:
+            break
+        time.sleep(0.01)
+    done.set()
+    worker.join()
     assert row not in before
     assert after[row] > 0.02
     assert after[f"{me} thread MainThread"] >= before[f"{me} thread MainThread"]

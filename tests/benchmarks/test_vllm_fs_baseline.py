@@ -73,7 +73,7 @@ def test_vllm_fs_tier_on_cpu_stores_and_serves_after_restart(tmp_path: Path) -> 
     usage = fs_tier_usage(root)
     assert usage["block_files"] >= distinct_blocks, usage
 
-    restart = _run(opts, [{"op": "drop_page_cache"}, {**gen, "name": "disk"}],
+    restart = _run(opts, [{"op": "drop_page_cache", "required": True}, {**gen, "name": "disk"}],
                    tmp_path / "restart.log")
     disk = restart["disk"]
     assert _tokens(disk) == _tokens(cold)

@@ -33,6 +33,8 @@ from kvstrata.tools import models
 from kvstrata.tools.engine import EngineOptions
 from kvstrata.tools.jobs import run_job_subprocess, run_jobs_subprocess
 
+# Restarts read the store from the device: the page cache is dropped, or the stage fails.
+DROP_PAGE_CACHE = {"op": "drop_page_cache", "required": True}
 MAX_TOKENS = 12
 KV_BYTES = 64 << 20
 HOST_BYTES = 256 << 20  # room for every chunk of a round (a full host tier misses)
@@ -129,10 +131,11 @@ def _llama_with_eagle(out: Path, seed: int) -> Path:
 # A host tier too small for a round's prompts: chunks are evicted between requests and come
 # from disk again (the smallest host tier kvstrata accepts).
 TIGHT_HOST = Restart("tight_host", host_bytes=1 << 20)
-# Warm start after a restart: the chunks used last are promoted in the background (milliseconds
-# for these stores; the engine is idle meanwhile), so the round is served from the host tier.
+# Warm start after a restart: the chunks used last are promoted in the background while the
+# engine is idle; the round starts once they landed (waited for, not slept through), so it is
+# served from the host tier.
 WARM_START = Restart("warm_start", {"warm_start_bytes": HOST_BYTES},
-                     steps=({"op": "sleep", "seconds": 3.0},))
+                     steps=({"op": "wait_warm_start", "timeout_s": JOB_TIMEOUT_S},))
 
 # vLLM's dtype "auto" runs a float32 checkpoint in bf16 (KV cache included), where the KV a
 # forward writes depends on the batch around it (kernel tiles): float32 keeps the comparison with
@@ -304,10 +307,10 @@ class Scenario:
         reference = {"engine": asdict(self.reference_opts), "steps": [
             reference_step("ref_follow_ups", [p for p, _ in self.follow_ups], EQ_MAX_TOKENS)]}
         served = {"engine": asdict(self.opts), "steps": [
-            {"op": "drop_page_cache"}, generate_step("disk"), *self._restart_steps("disk")]}
+            DROP_PAGE_CACHE, generate_step("disk"), *self._restart_steps("disk")]}
         more = [{"engine": asdict(self.case.options(self.model_dir, self.store, extra_config=r.extra,
                                                     host_bytes=r.host_bytes)),
-                 "steps": [{"op": "drop_page_cache"}, *r.steps, *self._restart_steps(r.name)]}
+                 "steps": [DROP_PAGE_CACHE, *r.steps, *self._restart_steps(r.name)]}
                 for r in self.case.restarts]
         return _merged(run_jobs_subprocess([reference, served, *more], timeout_s=JOB_TIMEOUT_S,
                                            log_path=self._log("restart")))

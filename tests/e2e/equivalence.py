@@ -30,7 +30,7 @@ TOLERANCE = 1e-4
 TOP_K = 5
 EQ_MAX_TOKENS = 4
 PROMPT_LIMIT = 1536  # tokens: leaves room for follow-ups within the engines' max_model_len
-# One line per round checked in this session ("case round: cases N served S identical I ..."),
+# One line per round checked in this session ("case round: cases N served-by-kvstrata S ..."),
 # printed at the end of the run (tests/e2e/conftest.py).
 COUNTS: list[str] = []
 
@@ -137,16 +137,28 @@ def reference_step(name: str, prompts: Sequence[Sequence[int]], max_tokens: int)
             "cache_salt": [f"{name}-{i}" for i in range(len(prompts))]}
 
 
+def served_tokens(out: dict[str, Any]) -> int:
+    """Prompt tokens kvstrata served one completion (a ``Completion`` dict), every tier together.
+    vLLM's ``num_cached_tokens`` is not that: it adds vLLM's own prefix-cache hits."""
+    return sum(out["served"].values())
+
+
 @dataclass
 class Verdict:
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # vLLM's num_cached_tokens: its own prefix cache and kvstrata's together
+    served_by_tier: dict[str, int]  # what kvstrata served, by the tier it came from
     max_delta: float
     problem: str | None  # None: equal to the recomputation
 
     @property
+    def served_tokens(self) -> int:
+        return sum(self.served_by_tier.values())
+
+    @property
     def served(self) -> bool:
-        return self.cached_tokens > 0
+        """kvstrata served this request some of its prompt (vLLM's own cache does not count)."""
+        return self.served_tokens > 0
 
 
 def compare(reference: dict[str, Any], got: dict[str, Any]) -> Verdict:
@@ -165,7 +177,7 @@ def compare(reference: dict[str, Any], got: dict[str, Any]) -> Verdict:
         problem = f"first-token logprobs differ by {max_delta:.3g}"
     elif got["token_ids"] != reference["token_ids"]:
         problem = f"greedy tokens {got['token_ids']} != {reference['token_ids']}"
-    return Verdict(got["prompt_tokens"], got["num_cached_tokens"], max_delta, problem)
+    return Verdict(got["prompt_tokens"], got["num_cached_tokens"], dict(got["served"]), max_delta, problem)
 
 
 def compare_step(references: dict[tuple[int, ...], dict[str, Any]], step: dict[str, Any],
@@ -186,13 +198,23 @@ def references_of(steps: Iterable[tuple[Sequence[Sequence[int]], dict[str, Any]]
 
 
 def summary(verdicts: Sequence[Verdict]) -> str:
+    """Requests, those kvstrata served (and the tokens it served, by tier), those equal to the
+    recomputation; vLLM's own prefix-cache hits apart."""
     served = [v for v in verdicts if v.served]
     diverged = [v for v in verdicts if v.problem]
     worst = max((v.max_delta for v in served if v.problem is None), default=0.0)
-    return (f"cases {len(verdicts)} served {len(served)} identical {len(verdicts) - len(diverged)} "
-            f"diverged {len(diverged)} (largest |dlogprob| served {worst:.2g})")
+    tiers: dict[str, int] = {}
+    for v in served:
+        for tier, n in v.served_by_tier.items():
+            tiers[tier] = tiers.get(tier, 0) + n
+    by_tier = " ".join(f"{tier} {n}" for tier, n in sorted(tiers.items())) or "none"
+    local = sum(v.cached_tokens - v.served_tokens for v in verdicts)
+    return (f"cases {len(verdicts)} served-by-kvstrata {len(served)} identical "
+            f"{len(verdicts) - len(diverged)} diverged {len(diverged)} (largest |dlogprob| served "
+            f"{worst:.2g}; kvstrata tokens {sum(tiers.values())}: {by_tier}; vLLM's own prefix "
+            f"cache {local} tokens)")
 
 
 def divergences(verdicts: Sequence[Verdict]) -> list[str]:
-    return [f"{v.prompt_tokens} tokens, {v.cached_tokens} cached: {v.problem}"
+    return [f"{v.prompt_tokens} tokens, {v.cached_tokens} cached ({v.served_tokens} by kvstrata): {v.problem}"
             for v in verdicts if v.problem]

@@ -81,7 +81,7 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
                                  {"op": "reset_prefix_cache"}, generate_step("host")],
                           tmp_path / "first.log")
         events_1 = sub.take()
-        restart = run_phase(opts, [{"op": "drop_page_cache"}, generate_step("disk")],
+        restart = run_phase(opts, [{"op": "drop_page_cache", "required": True}, generate_step("disk")],
                             tmp_path / "restart.log")
         events_2 = sub.take()
     finally:
@@ -107,4 +107,5 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
     stored_1 = _stored(events_1, "STORAGE")
     assert stored_1 and _chunk_hashes(announced) == _chunk_hashes(stored_1)
     described = described_blocks([e for e in announced if e.token_ids])
+    assert described, "no announced chunk was described (the first requests looked them all up)"
     assert all(gpu[h] == payload for h, payload in described.items())

@@ -19,7 +19,7 @@ def _host_tier_then_restart(opts: EngineOptions, tmp_path: Path) -> dict[str, An
     (disk tier). Both served runs give the cold tokens and hit kvstrata; returns the disk run."""
     first = run_phase(opts, [generate_step("cold"), {"op": "reset_prefix_cache"},
                              generate_step("host")], tmp_path / "first.log")
-    restart = run_phase(opts, [{"op": "drop_page_cache"}, generate_step("disk")],
+    restart = run_phase(opts, [{"op": "drop_page_cache", "required": True}, generate_step("disk")],
                         tmp_path / "restart.log")
     cold, host, disk = first["cold"], first["host"], restart["disk"]
     assert token_ids(host) == token_ids(cold)

@@ -66,6 +66,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvstrata.connector.connector import StrataConnector
+from kvstrata.connector.request_state import SERVED_PARAM
 
 EOS = 50256
 HEADS, HEAD = 2, 16
@@ -257,6 +258,8 @@ class Runner:
         self._hasher = get_request_block_hasher(hash_block, sha256)
         self._next_id = 0
         self.loaded_tokens: dict[str, int] = {}
+        # What kvstrata says it served each finished request, by tier (its kv_transfer_params).
+        self.served: dict[str, dict[str, int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.load_errors: list[str] = []
         self.stats: Any = None  # connector stats as vLLM's stats logger sees them
@@ -363,6 +366,9 @@ class Runner:
 
     def _update(self, so: Any, out: ModelRunnerOutput) -> None:
         for eco in self.scheduler.update_from_output(so, out).values():
+            for o in eco.outputs:
+                if o.finished:
+                    self.served[o.request_id] = dict((o.kv_transfer_params or {}).get(SERVED_PARAM) or {})
             sched_stats = eco.scheduler_stats
             if sched_stats is not None and sched_stats.kv_connector_stats:
                 # What vLLM's logger receives: rebuilt from the dict, aggregated over steps.

@@ -55,6 +55,7 @@ class Damage:
     what: str
     suspects: list[bytes] = field(default_factory=list)  # keys the damage may have made up
     min_served: int = 0  # reads of the first pass that must still be served correctly
+    max_served: int | None = None  # and at most: the damaged records must be detected
     require_puts: bool = False  # the damaged store must still admit (and evict for) new records
 
 
@@ -130,7 +131,8 @@ def payload_frames(path: Path, layout: lp.Layout, rng: np.random.Generator, tpl:
             done.append(f"{describe(layout, int(offset))} ^ {mask:#04x}")
     return Damage(
         f"payload frames of {len(victims)} record(s): {'; '.join(done)}",
-        min_served=len(tpl.keys) - len(victims), require_puts=True,
+        min_served=len(tpl.keys) - len(victims), max_served=len(tpl.keys) - len(victims),
+        require_puts=True,
     )
 
 
@@ -287,6 +289,9 @@ def probe_problems(what: str, report: dict[str, Any], *, fresh: int, damage: Dam
     if damage is not None and report["first_served"] < damage.min_served:
         problems.append(f"{what}: served {report['first_served']} of {keys} records on the first "
                         f"pass; at least {damage.min_served} are intact")
+    if damage is not None and damage.max_served is not None and report["first_served"] > damage.max_served:
+        problems.append(f"{what}: served {report['first_served']} of {keys} records on the first "
+                        f"pass; {keys - damage.max_served} are damaged and must be detected")
     if (sound or (damage is not None and damage.require_puts)) and report["admitted"] != fresh:
         problems.append(f"{what}: admitted {report['admitted']} of {fresh} new records")
     if sound and (report["lost"] or report["fresh_served"] != fresh):

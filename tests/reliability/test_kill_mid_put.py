@@ -4,8 +4,11 @@ The child prints the keys of each batch before putting it, so the parent knows e
 may be on disk. Each round kills a new writer on the same store (whose budget makes it evict),
 so later rounds start from a store an earlier kill left behind. Required after every kill: the
 reopened store knows it was not closed cleanly, its verification ends, no read returns bytes
-other than those written for the key (a missing record is fine), the index names only keys
-that were written, and the totals match the index. At the end ``kvstrata verify`` says sound.
+other than those written for the key, the index names only keys that were written, and the
+totals match the index; and what was committed before the kill is served: the disk writer's last
+batch that a later one followed (less what it deleted since), and the chunks the hierarchy's
+write-behind must have written to reuse their host slots. At the end ``kvstrata verify`` says
+sound.
 """
 
 from __future__ import annotations
@@ -25,19 +28,40 @@ if TYPE_CHECKING:
     from kvstrata.tiers.host import HostSlab
 
 
-def kill_writer(mode: str, args: list[str], seed: int) -> list[bytes]:
+def kill_writer(mode: str, args: list[str], seed: int) -> list[list[bytes]]:
     """Start a writer child, let it put a random number of batches, wait a random moment and
-    SIGKILL it; returns every key it announced (hex lines "batch KEY KEY...")."""
+    SIGKILL it; returns the batches it announced ("batch KEY KEY..."), in order, and its
+    deletes ("delete KEY..."), each as ``[b"batch"|b"delete", *keys]``."""
     rng = np.random.default_rng(seed)
     child = t.Child(mode, *args, str(seed))
     try:
         assert child.next() == "open"
         lines = [child.next() for _ in range(int(rng.integers(1, 25)))]
-        time.sleep(float(rng.uniform(0, 0.03)))
+        time.sleep(float(rng.uniform(0, 0.03)))  # where the kill lands; decides no outcome
         lines += child.kill()
     finally:
         child.close()
-    return [bytes.fromhex(k) for line in lines if line.startswith("batch ") for k in line.split()[1:]]
+    return [[word.encode(), *map(bytes.fromhex, keys)] for word, *keys in map(str.split, lines)
+            if word in ("batch", "delete")]
+
+
+def announced(log: list[list[bytes]]) -> set[bytes]:
+    """Every key a writer may have written."""
+    return {k for kind, *keys in log if kind == b"batch" for k in keys}
+
+
+def committed_last(log: list[list[bytes]]) -> set[bytes]:
+    """The keys of the last batch another one followed (its put returned, committed), less
+    those deleted after it; none when the puts after it could have evicted it (the budget)."""
+    batches = [i for i, (kind, *_) in enumerate(log) if kind == b"batch"]
+    if len(batches) < 2:
+        return set()
+    last = batches[-2]
+    after = {k for kind, *keys in log[last:] if kind == b"batch" for k in keys}
+    if sum(map(t.value_len, after)) > t.KILL_BUDGET // 2:
+        return set()
+    deleted = {k for kind, *keys in log[last:] if kind == b"delete" for k in keys}
+    return set(log[last][1:]) - deleted
 
 
 def read(store: DiskStore, key: bytes) -> bytes | None:
@@ -83,18 +107,25 @@ def test_kill_disk_writer_mid_put_then_reopen(tmp_path: Path) -> None:
     tal = t.tally("kill mid-put (DiskStore)")
     written: set[bytes] = set()
     failures = []
+    required = 0
     for round_ in range(t.trials(4)):
         seed = t.seed_for("kill-disk", round_)
-        written.update(kill_writer("kill-disk", [str(path), str(round_ * 1_000_000)], seed))
+        log = kill_writer("kill-disk", [str(path), str(round_ * 1_000_000)], seed)
+        written.update(announced(log))
         store = DiskStore(path, budget_bytes=t.KILL_BUDGET, create=False)
         try:
             problems = check_reopened(store, written, tal)
+            must = committed_last(log)
+            required += len(must)
+            lost = [k for k in must if read(store, k) != t.expected(k)]
+            problems += [f"a committed record was lost: {t.describe_key(k)}" for k in lost]
         finally:
             store.close()
         tal.trials += 1
         failures += [f"round {round_} seed={seed}: {p}" for p in problems]
     failures += verify_sound(path)
     assert not failures, "\n".join(failures)
+    assert required > 0, "no round's kill came after a committed batch: the seeds test nothing"
 
 
 def test_kill_hierarchy_writer_mid_write_behind_then_reopen(tmp_path: Path) -> None:
@@ -104,14 +135,26 @@ def test_kill_hierarchy_writer_mid_write_behind_then_reopen(tmp_path: Path) -> N
     tal = t.tally("kill mid-put (Hierarchy write-behind)")
     chunks: set[bytes] = set()
     failures = []
+    required = 0
     for round_ in range(t.trials(3)):
         seed = t.seed_for("kill-hier", round_)
         slab = tmp_path / f"writer-{round_}.slab"
-        chunks.update(kill_writer("kill-hier", [str(path), str(slab), str(round_ * 1_000_000)], seed))
+        mine = announced(kill_writer("kill-hier", [str(path), str(slab), str(round_ * 1_000_000)], seed))
+        chunks.update(mine)
+        # A chunk got a host slot only once the slot's last chunk was written to disk (write
+        # backpressure "defer"): past HOST_SLOTS, each chunk announced is one written (and
+        # committed) before the kill. The disk's budget holds the newest 8 of them.
+        must = min(max(0, len(mine) - t.HOST_SLOTS), 8)
+        required += must
         h, host, disk = t.hierarchy(path, tmp_path / f"reader-{round_}.slab", create=False)
         try:
             problems = check_reopened(disk, {ns + k for k in chunks for ns in t.HIER_NS}, t.Tally())
-            problems += check_promoted(h, host, sorted(chunks), tal)
+            served = tal.served
+            problems += check_promoted(h, host, sorted(mine), tal)
+            problems += check_promoted(h, host, sorted(chunks - mine), tal)
+            if tal.served - served < must:
+                problems.append(f"{tal.served - served} of this round's chunks served, at least {must} "
+                                "were committed before the kill")
         finally:
             h.close()
             disk.close()
@@ -120,6 +163,7 @@ def test_kill_hierarchy_writer_mid_write_behind_then_reopen(tmp_path: Path) -> N
         failures += [f"round {round_} seed={seed}: {p}" for p in problems]
     failures += verify_sound(path)
     assert not failures, "\n".join(failures)
+    assert required > 0, "no round's kill came after a committed write: the seeds test nothing"
 
 
 def check_promoted(h: Hierarchy, host: HostSlab, chunks: list[bytes], tal: t.Tally) -> list[str]:

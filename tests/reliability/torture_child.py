@@ -138,7 +138,8 @@ def kill_key(serial: int, rng: np.random.Generator) -> bytes:
 
 def kill_disk(path: str, first: int, seed: int) -> None:
     """Batches of new records (and some already written), deletes and reads, until killed.
-    Prints "batch KEY..." (hex) before each put: no key it did not print was ever written."""
+    Prints "batch KEY..." (hex) before each put: no key it did not print was ever written; a
+    batch printed before another one was committed. Prints "delete KEY..." before a delete."""
     rng = np.random.default_rng(seed)
     store = DiskStore(path, budget_bytes=t.KILL_BUDGET, sync_interval_s=0.02, touch_flush_interval_s=0.05)
     say("open")
@@ -154,7 +155,9 @@ def kill_disk(path: str, first: int, seed: int) -> None:
         store.put_many([(k, t.expected(k), "bfloat16") for k in keys])
         written += keys[:n]
         if rng.random() < 0.15:
-            store.delete_many([written[int(i)] for i in rng.integers(0, len(written), 2)])
+            gone = [written[int(i)] for i in rng.integers(0, len(written), 2)]
+            say("delete " + " ".join(k.hex() for k in gone))
+            store.delete_many(gone)
         if rng.random() < 0.3:
             read(store, written[int(rng.integers(0, len(written)))])
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from redis_server import RedisCluster
 
 from kvstrata.presence import Presence
@@ -28,7 +29,6 @@ from kvstrata.tiers.remote import RemoteStore, remote_key
 HIT, PENDING, MISS = Presence.HIT, Presence.PENDING, Presence.MISS
 NS = [b"rank0-namespace!", b"rank1-namespace!"]
 SIZE = 2048
-LOOKUP_BOUND_S = 1.5
 DEADLINE_S = 20.0
 
 
@@ -149,17 +149,17 @@ def test_one_master_killed_and_back(cluster: RedisCluster) -> None:
         lost = [remote_key(k) in held[1] for k in keys]
         assert 50 < sum(lost) < 250
         victim.kill()
-        # While it is down: answers come at once, never an exception; its keys are misses.
+        # The first call that meets the dead master opens the breaker (no exception).
+        eventually(lambda: store.contains_many(keys) is not None and not store.available, "the breaker to open")
+        skipped = store.stats()["skipped_unavailable"]
+        # While it is down: every call is answered by the breaker, without a round trip (at
+        # once) and never an exception; every chunk is a miss, no write is made.
         for _ in range(5):
-            t0 = time.monotonic()
-            found = store.contains_many(keys)
+            assert store.contains_many(keys) == [False] * 300
             outs = [np.zeros(SIZE, np.uint8) for _ in keys[:30]]
-            got = store.get_many_into(list(zip(keys[:30], outs, strict=True)))
-            assert time.monotonic() - t0 < LOOKUP_BOUND_S
-            assert not any(f for f, gone in zip(found, lost, strict=True) if gone)
-            for k, n, o in zip(keys[:30], got, outs, strict=True):
-                assert n is None or (n == SIZE and np.array_equal(o, value(k)))
-            assert store.put_many([(skey(5000), value(skey(5000)), "uint8")]) in (0, 1)
+            assert store.get_many_into(list(zip(keys[:30], outs, strict=True))) == [None] * 30
+            assert store.put_many([(skey(5000), value(skey(5000)), "uint8")]) == 0
+        assert store.stats()["skipped_unavailable"] == skipped + 15
         st = store.stats()
         assert st["unavailable"] >= 1 and not store.available  # observed: the whole tier is skipped
         assert st["errors"] == 0 and st["corrupt"] == 0
@@ -200,20 +200,16 @@ def test_one_master_hung_costs_one_timeout(cluster: RedisCluster) -> None:
         victim = next(s for s in cluster.servers if s.port != default.port)
         victim.pause()
         try:
-            slow = []
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < 1.2:  # less than cluster-node-timeout: no failover state
-                t = time.monotonic()
-                found = store.contains_many(keys)
-                took = time.monotonic() - t
-                assert took < LOOKUP_BOUND_S and not any(found)
-                if took > 0.2:
-                    slow.append(round(took, 2))
-                time.sleep(0.01)  # a step loop's pace
-            assert len(slow) == 1, f"calls that waited on the hung master: {slow}"
+            asked = store.stats()
+            # Calls a step loop makes over several probe intervals (0.2 s): only the first meets
+            # the hung master and waits for the timeouts; the breaker answers all the others.
+            for _ in range(20):
+                assert not any(store.contains_many(keys))
+                time.sleep(0.05)  # a step loop's pace, over 5 probe intervals; decides nothing
             st = store.stats()
+            assert st["unavailable"] == asked["unavailable"] + 1, "calls that waited on the hung master"
+            assert st["skipped_unavailable"] == asked["skipped_unavailable"] + 19
             assert st["state_changes"] == changes + 1 and not store.available
-            assert st["skipped_unavailable"] > 10
         finally:
             victim.resume()
         eventually(lambda: store.available, "the breaker to close", 10)
@@ -243,9 +239,24 @@ def test_a_plain_url_on_a_cluster_node_fails_softly(cluster: RedisCluster) -> No
     try:
         keys = [skey(i) for i in range(30)]
         assert store.put_many([(k, value(k), "uint8") for k in keys]) == 0
-        assert store.get_into(keys[0], np.zeros(SIZE, np.uint8)) in (None, SIZE)
+        plain = node.client()
+        # A key of another node's slots is MOVED: a miss; one of this node's is served exactly
+        # when the failed batch still wrote it there.
+        foreign = next(k for k in keys if _moved(plain, remote_key(k)))
+        own = next(k for k in keys if not _moved(plain, remote_key(k)))
+        assert store.get_into(foreign, np.zeros(SIZE, np.uint8)) is None
+        assert store.get_into(own, np.zeros(SIZE, np.uint8)) == (SIZE if plain.exists(remote_key(own)) else None)
         st = store.stats()
         assert st["errors"] >= 1 and st["put_failed"] == 30
         assert st["unavailable"] == 0 and store.available  # the node answers: not an outage
     finally:
         store.close()
+
+
+def _moved(plain: redis.Redis, rkey: bytes) -> bool:
+    """Whether a plain client's command on ``rkey`` is redirected (another node's slot)."""
+    try:
+        plain.exists(rkey)
+    except redis.exceptions.MovedError:
+        return True
+    return False

@@ -1,12 +1,13 @@
 """The shared tier failing under load: the Redis server killed, hung (SIGSTOP), restarted empty,
 or flushed, while an engine keeps looking up and storing chunks.
 
-What must hold throughout: every lookup returns within a bound (``LOOKUP_BOUND_S``: a behaviour
-bound, not a benchmark: one remote call is cut off after connect + reply timeouts, 0.75 s here,
-and once the breaker is open the server is not asked at all); chunks in the host tier answer HIT
+What must hold throughout: every lookup returns, whatever the server does, having asked it at
+most once (that one call is cut off after connect + reply timeouts, 0.75 s here), and once the
+breaker is open not at all (``CountingRemote`` records, per thread, which of a lookup's calls
+reached the server); chunks in the host tier answer HIT
 and chunks on the local disk are promoted from it; chunks only on the server answer MISS; nothing
-raises; the remote tier counts what it skipped. After the server comes back, the breaker closes
-within a few probe intervals and new stores reach the server again.
+raises; the remote tier counts what it skipped. After the server comes back, a probe closes the
+breaker and new stores reach the server again.
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ PROBE_S = 0.2
 REMOTE_OPTS = dict(connect_timeout_s=0.25, timeout_s=0.5, probe_interval_s=PROBE_S)
 # Engines that only prepare the server's contents: nothing to learn from their timeouts.
 WRITER_OPTS = dict(connect_timeout_s=1.0, timeout_s=3.0, probe_interval_s=PROBE_S)
-LOOKUP_BOUND_S = 1.5
 # Write-behind threads at normal priority: at idle priority (the default) they get next to no
 # CPU while anything else keeps the machine's cores busy, and the waits for their writes here
 # (and close(), which drains them) would measure the other load.
 IDLE_WRITES = False
-RECOVERY_BOUND_S = 5.0  # 25 probe intervals: generous for a loaded 2-core machine
 DEADLINE_S = 20.0
 
 
@@ -90,12 +89,35 @@ def on_server(plain: redis.Redis, k: bytes) -> bool:
     return plain.exists(*[remote_key(ns + k) for ns in NS]) == len(NS)
 
 
-def lookup(h: Hierarchy, ks: list[bytes], promoting: dict | None = None) -> list[Presence]:
-    """A scheduler's lookup, which must return within the bound whatever the server does."""
-    t0 = time.monotonic()
+class CountingRemote(RemoteStore):
+    """The real store, recording for each of the calling thread's presence queries whether the
+    breaker let it reach the server (``asked``) or answered it at once."""
+
+    _local = threading.local()
+
+    @classmethod
+    def asked(cls) -> list[bool]:
+        if not hasattr(cls._local, "asked"):
+            cls._local.asked = []
+        return cls._local.asked
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        reached = self.available  # open breaker: answered without a round trip
+        try:
+            return super().contains_many(keys)
+        finally:
+            self.asked().append(reached)
+
+
+def lookup(h: Hierarchy, ks: list[bytes], promoting: dict | None = None, *,
+           breaker_open: bool = False) -> list[Presence]:
+    """A scheduler's lookup: it returns having asked the server at most once (one call, cut off
+    by its timeouts), and not at all with the breaker open."""
+    asked = CountingRemote.asked()
+    asked.clear()
     got = h.lookup_many(ks, promoting)
-    took = time.monotonic() - t0
-    assert took < LOOKUP_BOUND_S, f"a lookup took {took:.2f}s"
+    reached = sum(asked)
+    assert reached <= (0 if breaker_open else 1), f"a lookup asked the server {reached} times"
     return got
 
 
@@ -110,7 +132,7 @@ class Load(threading.Thread):
         self.h, self.host_keys = h, host_keys
         self.next_new, self.last_new = first_new, first_new + max_new
         self.stored: list[bytes] = []
-        self.slowest = 0.0
+        self.most_asked = 0  # the most server calls one lookup made
         self.lookups = 0
         self.problems: list[str] = []
         self.halt = threading.Event()
@@ -120,9 +142,10 @@ class Load(threading.Thread):
         while not self.halt.is_set():
             try:
                 nowhere += 1
-                t0 = time.monotonic()
+                asked = CountingRemote.asked()
+                asked.clear()
                 got = self.h.lookup_many([*self.host_keys, key(nowhere)])
-                self.slowest = max(self.slowest, time.monotonic() - t0)
+                self.most_asked = max(self.most_asked, sum(asked))
                 self.lookups += 1
                 if got != [HIT] * len(self.host_keys) + [MISS]:
                     self.problems.append(f"host chunks and a missing one answered {got}")
@@ -140,7 +163,7 @@ class Load(threading.Thread):
         self.join(DEADLINE_S)
         assert not self.is_alive(), "the load thread hung"
         assert self.problems == []
-        assert self.lookups > 0 and self.slowest < LOOKUP_BOUND_S, f"slowest lookup {self.slowest:.2f}s"
+        assert self.lookups > 0 and self.most_asked <= 1, f"a lookup asked the server {self.most_asked} times"
 
 
 class Setup:
@@ -178,7 +201,7 @@ class Setup:
 
     def hierarchy(self, slab_path: Path, *, disk: bool, opts: dict | None = None) -> Hierarchy:
         slab = HostSlab(slab_path, SHARD * len(NS), 64)
-        remote = RemoteStore(self.server.url, **(opts or self.remote_opts))
+        remote = CountingRemote(self.server.url, **(opts or self.remote_opts))
         lower = [self.disk_store, remote] if disk else [remote]
         h = Hierarchy(HostPool(slab), lower, namespaces=NS, group_shard_bytes=[SHARD],
                       group_dtypes=["bfloat16"], write_backpressure=["defer", "drop"][-len(lower):],
@@ -197,11 +220,11 @@ class Setup:
         eventually(lambda: lookup(self.h, self.disk) == [HIT] * 4, "promotions from disk")
         check_bytes(self.h, self.disk)
 
-    def remote_only_misses(self, ks: list[bytes]) -> None:
-        """Chunks only on an unreachable (or emptied) server: MISS, every time, at once."""
+    def remote_only_misses(self, ks: list[bytes], *, breaker_open: bool = False) -> None:
+        """Chunks only on an unreachable (or emptied) server: MISS, every time."""
         for _ in range(3):
             promoting: dict[bytes, str] = {}
-            assert lookup(self.h, ks, promoting) == [MISS] * len(ks)
+            assert lookup(self.h, ks, promoting, breaker_open=breaker_open) == [MISS] * len(ks)
             assert promoting == {}
 
     def serve_from_remote(self, ks: list[bytes]) -> None:
@@ -211,10 +234,10 @@ class Setup:
         eventually(lambda: lookup(self.h, ks) == [HIT] * len(ks), "promotions from the server")
         check_bytes(self.h, ks)
 
-    def recovers(self) -> float:
-        took = eventually(lambda: self.remote_tier.available, "the breaker to close", RECOVERY_BOUND_S)
+    def recovers(self) -> None:
+        """The server is back: a probe finds it and closes the breaker (waited for, not timed)."""
+        eventually(lambda: self.remote_tier.available, "the breaker to close")
         assert self.remote_stats()["available"] == 1
-        return took
 
     def new_stores_reach_the_server(self, first: int) -> None:
         ks = keys(first, 3)
@@ -270,23 +293,23 @@ def test_server_hung_mid_load(setup: Setup) -> None:
         setup.remote_only_misses(setup.remote)
         setup.serve_from_disk()
         eventually(lambda: not setup.remote_tier.available, "the breaker to open")
-        t0 = time.monotonic()
-        setup.remote_only_misses(setup.remote2)
-        assert time.monotonic() - t0 < LOOKUP_BOUND_S  # the breaker is open: no waiting at all
+        skipped = setup.remote_stats()["skipped_unavailable"]
+        # The breaker is open: these lookups do not ask the hung server at all (no waiting).
+        setup.remote_only_misses(setup.remote2, breaker_open=True)
         st = setup.remote_stats()
+        assert st["skipped_unavailable"] >= skipped + 3
         assert st["unavailable"] >= 1 and st["skipped_unavailable"] >= 1
         assert "imeout" in (st["last_error"] or "")
         changes = st["state_changes"]
     finally:
         setup.server.resume()
-    took = setup.recovers()
+    setup.recovers()
     load.finish()
     assert setup.remote_stats()["state_changes"] >= changes + 1
     # Nothing was lost: the server's chunks are served again, those asked for during the hang too.
     setup.serve_from_remote(setup.remote2)
     setup.serve_from_remote(setup.remote)
     setup.new_stores_reach_the_server(2000)
-    assert took < RECOVERY_BOUND_S
 
 
 def test_server_restarted_mid_load(setup: Setup) -> None:
@@ -362,15 +385,16 @@ def test_a_promotion_caught_by_a_hang_fails_within_the_bound(tmp_path: Path, red
         redis_server.pause()
         try:
             GatedRemote.gate.set()
-            t0 = time.monotonic()
+            # The server stays hung until after these checks: the promotion can end only by
+            # its read giving up (the timeouts), not by an answer.
             assert h.wait_promotions(ks, DEADLINE_S)
-            assert time.monotonic() - t0 < LOOKUP_BOUND_S
+            assert remote.stats()["unavailable"] >= 1 and "imeout" in (remote.stats()["last_error"] or "")
             assert lookup(h, ks) == [MISS, MISS]
             assert h.pool.free_slots == 8
             assert h.stats()["promotions_failed"] == 2
         finally:
             redis_server.resume()
-        eventually(lambda: remote.available, "the breaker to close", RECOVERY_BOUND_S)
+        eventually(lambda: remote.available, "the breaker to close")
     finally:
         for obj in (h, writer, remote, writer_remote, slab2, slab):
             obj.close()

@@ -1,7 +1,8 @@
 """Child process for the multi-process tests of kvstrata.tiers.disk (run as a script).
 
 Modes (each prints one line per step so that the parent can follow; JSON at the end):
-  writer DIR FIRST COUNT [--forever] [--map-size N] [--size B]  put entries FIRST.. one per call
+  writer DIR FIRST COUNT [--forever] [--map-size N] [--size B] [--budget B]
+                                                 put entries FIRST.. one per call
   reader DIR FIRST COUNT [--timeout S]          read-only: wait until all are readable, verify
   fsize DIR COUNT LIMIT                          put COUNT 1 MiB entries under RLIMIT_FSIZE=LIMIT
 """
@@ -36,7 +37,7 @@ def payload(i: int, nbytes: int = 256 << 10) -> bytes:
 
 
 def writer(args: argparse.Namespace) -> None:
-    store = DiskStore(args.dir, budget_bytes=BUDGET, map_size=args.map_size, sync_interval_s=0.05)
+    store = DiskStore(args.dir, budget_bytes=args.budget, map_size=args.map_size, sync_interval_s=0.05)
     i = args.first
     while args.forever or i < args.first + args.count:
         n = store.put_many([(key(i), payload(i, args.size), "float16")])
@@ -103,6 +104,7 @@ def main() -> None:
     w.add_argument("--forever", action="store_true")
     w.add_argument("--map-size", type=int, default=1 << 40)
     w.add_argument("--size", type=int, default=256 << 10, help="bytes per entry")
+    w.add_argument("--budget", type=int, default=BUDGET, help="store budget: puts past it evict")
     r = sub.add_parser("reader")
     r.add_argument("dir")
     r.add_argument("first", type=int)

@@ -228,9 +228,11 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
 def test_max_age_expires_idle_chunks_when_evicting(tmp_path: Path) -> None:
     blobs = {i: rand_bytes(64 << 10, i) for i in range(5)}
     frame_len = len(codec.encode(blobs[0], "uint8"))
-    store = open_store(tmp_path / "s", budget_bytes=4 * frame_len, evict_slack=0.0, max_age_s=0.2)
+    now = [1_000_000_000]  # the store's clock (µs): stepped here, never slept through
+    store = open_store(tmp_path / "s", budget_bytes=4 * frame_len, evict_slack=0.0, max_age_s=0.2,
+                       clock_us=lambda: now[0])
     assert store.put_many([(key(0), blobs[0], "uint8"), (key(1), blobs[1], "uint8")]) == 2
-    time.sleep(0.3)  # 0 and 1 are now older than max_age
+    now[0] += 300_000  # 0 and 1 are now older than max_age
     assert store.put_many([(key(2), blobs[2], "uint8"), (key(3), blobs[3], "uint8")]) == 2
     # Over budget by one entry: the budget alone would evict only 0; age evicts 1 as well.
     assert store.put_many([(key(4), blobs[4], "uint8")]) == 1

@@ -364,7 +364,8 @@ def test_warm_start_promotes_the_most_recently_used_chunks(env):
     h2 = env.hier(disk, max_concurrent_reads=2)
     warmed = [keys[0], keys[5], keys[4]]
     h2.warm_start(3)
-    eventually(lambda: h2.stats()["warm_promotions"] == 3 and not h2.in_flight(warmed), "warm")
+    assert h2.wait_warm_start(DEADLINE_S)  # the warm start ended: what it promoted has landed
+    assert h2.stats()["warm_promotions"] == 3 and not h2.in_flight(warmed)
     assert h2.lookup_many(warmed) == [HIT] * 3  # no disk read on the request's path
     assert h2.stats()["promotions_completed"] == 3
     loaded = h2.prepare_load(warmed)

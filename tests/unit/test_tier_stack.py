@@ -163,12 +163,15 @@ def test_a_chunk_whose_promotion_failed_is_asked_for_again_later(make) -> None:
     eventually(lambda: holds(far, key(5)), "write-behind")
     writer.close()
     far.down = True
-    h = make(lower=[far], retry_failed_after_s=0.3)
+    now = [100.0]  # the hierarchy's clock: stepped here, never slept through
+    h = make(lower=[far], retry_failed_after_s=10.0, clock=lambda: now[0])
     assert h.lookup_many([key(5)]) == [PENDING]
     eventually(lambda: h.stats()["promotions_failed"] == 1, "the failed promotion")
     assert h.lookup_many([key(5)]) == [MISS]  # not asked again at once
     far.down = False
-    time.sleep(0.3)
+    now[0] += 9.9
+    assert h.lookup_many([key(5)]) == [MISS]  # nor before retry_failed_after_s
+    now[0] += 0.1
     assert h.lookup_many([key(5)]) == [PENDING]  # asked again: the tier answers now
     eventually(lambda: h.lookup_many([key(5)]) == [HIT], "the second promotion")
 

@@ -86,6 +86,7 @@ class DiskStore:
         idle_writer: bool = False,
         mode: int = fsmode.DEFAULT_DIR_MODE,
         auth: ValueAuth | None = None,
+        clock_us: Callable[[], int] = now_us,
     ) -> None:
         if codec not in ("auto", "raw"):
             raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
@@ -99,6 +100,7 @@ class DiskStore:
         self._counts = Counters()
         self._tick_lock = threading.Lock()
         self._last_tick = 0
+        self._clock_us = clock_us  # wall-clock microseconds: access ticks and max_age_s
         self._close_lock = threading.Lock()
         self._closed = False
         self._logged_damage: set[str] = set()
@@ -113,7 +115,7 @@ class DiskStore:
                 self._env, self._counts, budget_bytes=self.budget_bytes, evict_slack=evict_slack,
                 max_age_s=max_age_s, sync_interval_s=sync_interval_s, sync_bytes=sync_bytes,
                 touch_flush_interval_s=touch_flush_interval_s, full_retry_s=full_retry_s,
-                idle=idle_writer)
+                idle=idle_writer, clock_us=clock_us)
             if self.unclean_shutdown:
                 self._recovery = Recovery(self._writer, self._counts)
 
@@ -428,7 +430,7 @@ class DiskStore:
     def _next_tick(self) -> int:
         # Wall-clock microseconds (comparable across processes), strictly increasing here.
         with self._tick_lock:
-            self._last_tick = max(self._last_tick + 1, now_us())
+            self._last_tick = max(self._last_tick + 1, self._clock_us())
             return self._last_tick
 
     def _touch(self, keys: Sequence[bytes]) -> None:

@@ -112,8 +112,10 @@ class Writer:
         touch_flush_interval_s: float,
         full_retry_s: float,
         idle: bool = False,
+        clock_us: Callable[[], int] = now_us,
     ) -> None:
         self.env = env
+        self._clock_us = clock_us
         self._idle = idle  # run both threads at idle CPU priority (tiers/priority.py)
         self.h = env.handles
         self.counts = counters
@@ -398,7 +400,7 @@ class Writer:
         over = totals.stored_bytes + stored - self.budget_bytes
         if over > 0:
             need = over + int(self._evict_slack * self.budget_bytes)
-            expire = None if self._max_age_us is None else now_us() - self._max_age_us
+            expire = None if self._max_age_us is None else self._clock_us() - self._max_age_us
             victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
             outcome.evicted, outcome.evicted_bytes = self.delete(txn, totals, victims)
         rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick, job.mac), totals)

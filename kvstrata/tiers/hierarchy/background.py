@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,12 +36,17 @@ class Background:
         self._wait = wait_promotions
         first = shared.links[0] if shared.links else None
         self.link: TierLink | None = first if first is not None and isinstance(first.tier, ScannableTier) else None
+        # Set while no warm start is under way (none asked for, or it ended: done, stopped at
+        # full host slots, or skipped).
+        self.warm_done = threading.Event()
+        self.warm_done.set()
 
     def warm_start(self, max_chunks: int) -> None:
         if self.link is None or max_chunks <= 0:
             return
         with self.s.lock:
             if not self.s.closed:
+                self.warm_done.clear()
                 self.pipe.call_soon(self.pipe.spawn, self._warm(max_chunks))
 
     def announce(self) -> None:
@@ -53,6 +59,12 @@ class Background:
     # ---- warm start ----------------------------------------------------------------------------
 
     async def _warm(self, max_chunks: int) -> None:
+        try:
+            await self._warm_all(max_chunks)
+        finally:
+            self.warm_done.set()
+
+    async def _warm_all(self, max_chunks: int) -> None:
         loop = self.pipe.loop
         try:
             keys = await loop.run_in_executor(None, self._recent_chunks, max_chunks)

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, Literal
 
 from kvstrata.presence import Presence
@@ -72,6 +73,8 @@ class Hierarchy:
         idle_writes: write-behind threads run at idle CPU priority (``tiers.priority``).
         retry_failed_after_s: a chunk whose promotion failed is a miss for this long (unless
             stored again), then its tiers are asked again (``shared.FailedPromotions``).
+        clock: monotonic seconds for ``retry_failed_after_s`` (``time.monotonic``; tests pass
+            their own to step time instead of sleeping).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class Hierarchy:
         events: bool = False,
         idle_writes: bool = True,
         retry_failed_after_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         tiers = [] if lower is None else list(lower) if isinstance(lower, (list, tuple)) else [lower]
         admits = _per_tier("admit_after", admit_after, len(tiers))
@@ -107,7 +111,8 @@ class Hierarchy:
         s = self._s = Shared(
             host_pool, links, namespaces=namespaces, group_shard_bytes=group_shard_bytes,
             group_dtypes=group_dtypes, shard_bytes=shard_bytes, events=events,
-            offer_tracker_size=offer_tracker_size, retry_failed_after_s=retry_failed_after_s)
+            offer_tracker_size=offer_tracker_size, retry_failed_after_s=retry_failed_after_s,
+            clock=clock)
         self.pool = host_pool
         self.slab = s.slab
         self.namespaces = s.namespaces
@@ -179,6 +184,11 @@ class Hierarchy:
         """Promote, in the background, the ``max_chunks`` chunks of the first lower tier used
         most recently into free host slots (see ``background``). Returns at once."""
         self._background.warm_start(max_chunks)
+
+    def wait_warm_start(self, timeout: float | None) -> bool:
+        """Block until no warm start is under way (its promotions landed), at most ``timeout``
+        seconds; True when none is. For tests and tools that must not race it."""
+        return self._background.warm_done.wait(timeout)
 
     def announce_disk(self) -> None:
         """Report, in the background, every chunk the first lower tier holds for this model as

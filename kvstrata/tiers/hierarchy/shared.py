@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,12 +91,13 @@ class FailedPromotions:
 
     PRUNE_AT = 4096  # entries before the expired ones are swept
 
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.retry_after_s = retry_after_s
+        self._clock = clock  # seconds, monotonic (tests drive it)
         self._at: dict[bytes, float] = {}
 
     def add(self, key: bytes) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if len(self._at) >= self.PRUNE_AT:
             self._at = {k: t for k, t in self._at.items() if now - t < self.retry_after_s}
         self._at[key] = now
@@ -117,7 +118,7 @@ class FailedPromotions:
         at = self._at.get(key)  # type: ignore[call-overload]
         if at is None:
             return False
-        if time.monotonic() - at >= self.retry_after_s:
+        if self._clock() - at >= self.retry_after_s:
             self._at.pop(key, None)  # type: ignore[call-overload]
             return False
         return True
@@ -197,6 +198,7 @@ class Shared:
         events: bool,
         offer_tracker_size: int,
         retry_failed_after_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         slab = pool.slab
         if slab is None:
@@ -224,7 +226,7 @@ class Shared:
         self.closed = False
         self.storing: set[bytes] = set()  # prepare_store'd, not completed
         self.promoting: dict[bytes, str] = {}  # lower tier -> host in flight: key -> tier name
-        self.bad = FailedPromotions(retry_failed_after_s)
+        self.bad = FailedPromotions(retry_failed_after_s, clock)
         self.journal = Journal(events, shards=len(self.namespaces))
         # Offers of each chunk (stores, host hits), for the tiers' admission thresholds.
         self.offers: OrderedDict[bytes, int] = OrderedDict()
