@@ -454,10 +454,26 @@ def _successor(prefix: bytes) -> bytes | None:
     return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
-def orphan_payloads(txn: lmdb.Transaction, h: Handles, keys: Sequence[bytes]) -> list[bytes]:
-    """Those of ``keys`` (payload keys found by a scan) that no index record is found for."""
-    index = txn.cursor(db=h.index)
-    return [k for k in keys if not index.set_key(k)]
+def orphan_payloads(
+    txn: lmdb.Transaction, h: Handles, keys: Sequence[bytes]
+) -> tuple[list[bytes], list[bytes]]:
+    """Of ``keys`` (payload keys found by an earlier scan): those whose payload this snapshot
+    finds without an index record (orphans), and those it finds neither (deleted since the
+    scan, or a key whose damaged bytes a lookup cannot reach: ``payloads_met``)."""
+    index, payload = txn.cursor(db=h.index), txn.cursor(db=h.payload)
+    orphans: list[bytes] = []
+    lost: list[bytes] = []
+    for k in keys:
+        if index.set_key(k):
+            continue
+        (orphans if payload.set_key(k) else lost).append(k)
+    return orphans, lost
+
+
+def payloads_met(txn: lmdb.Transaction, h: Handles, keys: set[bytes]) -> list[bytes]:
+    """Those of ``keys`` a walk of the payloads meets in this snapshot: present, though a lookup
+    by key missed them (damaged key bytes). One a walk does not meet was deleted."""
+    return [k for k in txn.cursor(db=h.payload).iternext(keys=True, values=False) if k in keys]
 
 
 def reconcile(txn: lmdb.Transaction, h: Handles) -> int:

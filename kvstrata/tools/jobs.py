@@ -36,6 +36,7 @@ from kvstrata.tools.engine import (
     metrics_delta,
     metrics_snapshot,
     shutdown_llm,
+    store_summary,
     thread_cpu_seconds,
 )
 
@@ -54,6 +55,9 @@ def run_job(job: dict[str, Any], progress: ProgressFn | None = None) -> dict[str
     * ``{"op": "sleep", "seconds": s}``
     * ``{"op": "wait_warm_start", "timeout_s": t}``: until kvstrata's warm start (if any) has
       promoted what it will (an engine core in this process only)
+    * ``{"op": "wait_disk_entries", "path": store, "at_least": n, "timeout_s": t}``: until the
+      store at ``path`` holds at least ``n`` records (what the write-behind of an engine core in
+      another process has written by then), read from the store itself
     * ``{"op": "signal", "path": p}`` (creates the file ``p``) and
       ``{"op": "wait_for", "path": p, "timeout_s": t}`` (until ``p`` exists): hand-offs between
       engines running at the same time, e.g. two replicas on one store
@@ -122,6 +126,17 @@ def _run_step(llm: LLM, step: dict[str, Any], say: ProgressFn) -> dict[str, Any]
         if not _strata_scheduler(llm).hierarchy.wait_warm_start(timeout_s):
             raise TimeoutError(f"the warm start did not end within {timeout_s:.0f} s")
         return {"op": op, "name": name}
+    if op == "wait_disk_entries":
+        path, want = step["path"], int(step["at_least"])
+        timeout_s = float(step.get("timeout_s", 300.0))
+        say(f"{name}: waiting for {want} records in {path}")
+        deadline = time.monotonic() + timeout_s
+        while (have := store_summary(path).get("entries", 0)) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} held {have} records after {timeout_s:.0f} s, "
+                                   f"not the {want} expected")
+            time.sleep(0.05)
+        return {"op": op, "name": name, "entries": have}
     if op == "signal":
         Path(step["path"]).touch()
         return {"op": op, "name": name}

@@ -138,14 +138,21 @@ def _check_index(store: DiskStore, threads: int, found: Findings) -> None:
 
 
 def _check_orphans(store: DiskStore, found: Findings) -> None:
+    """Payloads without an index record. Each batch the scan found is judged in one snapshot; a
+    payload gone by then (a live server evicted the record) is judged at the end by one walk in
+    one snapshot: met there, its key bytes are damaged; not met, it is gone, not damaged."""
     listed = {key for key, _ in found.bad}
-    for keys in _scan_keys(store, "payload", found):
-        try:
-            orphans = store.read(lambda txn, h, ks=keys: rec.orphan_payloads(txn, h, ks))
-        except rec.LMDB_DAMAGE as exc:
-            found.structure.append(f"the index cannot be searched ({exc})")
-            return
-        found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in orphans if key not in listed)
+    lost: set[bytes] = set()
+    try:
+        for keys in _scan_keys(store, "payload", found):
+            orphans, gone = store.read(lambda txn, h, ks=keys: rec.orphan_payloads(txn, h, ks))
+            found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in orphans if key not in listed)
+            lost.update(gone)
+        if lost:
+            met = store.read(lambda txn, h: rec.payloads_met(txn, h, lost))
+            found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in met if key not in listed)
+    except rec.LMDB_DAMAGE as exc:
+        found.structure.append(f"the index cannot be searched ({exc})")
 
 
 def _check_meta(store: DiskStore, found: Findings) -> None:

@@ -77,7 +77,14 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
     tick = generate_step("tick", [[5, 6, 7]])  # a step that publishes what the disk reported since
     sub = Subscriber(endpoint)
     try:
-        first = run_phase(opts, [generate_step("cold"), {"op": "sleep", "seconds": 2}, tick,
+        # Every chunk of the prompts (full chunks, and each prompt's tail) reaches the disk before
+        # the tick publishes what the disk reported: waited for in the store itself.
+        chunk = case.chunk
+        full = {tuple(p[: (i + 1) * chunk]) for p in PROMPTS for i in range(len(p) // chunk)}
+        tails = {tuple(p) for p in PROMPTS if len(p) % chunk}
+        written = {"op": "wait_disk_entries", "path": str(tmp_path / "store"),
+                   "at_least": len(full) + len(tails), "timeout_s": 120}
+        first = run_phase(opts, [generate_step("cold"), written, tick,
                                  {"op": "reset_prefix_cache"}, generate_step("host")],
                           tmp_path / "first.log")
         events_1 = sub.take()
