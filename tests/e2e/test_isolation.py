@@ -5,17 +5,17 @@
   prompt tails included (the llama case serves them; the prompts end mid-block);
 * a value forged by a writer without the secret — another checkpoint made to look like the same
   model (same path, file names, sizes and mtimes, so the same namespace) writing its KV to the
-  server — and values written by a replica with another secret are never served: each request
-  still equals its recomputation by vLLM alone (the equivalence oracle: first-token logprobs).
+  server — is never served: each request still equals its recomputation by vLLM alone (the
+  equivalence oracle: first-token logprobs).
 
 One engine process (a Python/vLLM import is the dearest part of an engine on a small machine),
 five engines one after another: F (no secret) on the other checkpoint, swapped in under the model's
 path, computing other prompts, which reach the server unsigned; then, with the real checkpoint
 back, the reference (vLLM alone); engine A (secret A) serving the prompts under two salts; A
 restarted on its store with a warm start (its disk records carry MACs too: ``auth_key_file``);
-engine C (secret A, empty local store) reading the shared tier. Values written under another
-secret fail the same check as unsigned ones (``ValueAuth.open``) (``tests/remote/test_remote_auth.py``
-covers both on a real server), so no engine with a second secret is started here.
+engine C (secret A, empty local store) reading the shared tier. No engine with a second secret
+is started: a value sealed under another secret fails the same check as an unsigned one
+(``ValueAuth.open``), and tests/remote/test_remote_auth.py covers both on a real server.
 """
 
 from __future__ import annotations
