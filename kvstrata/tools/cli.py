@@ -27,11 +27,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "purge": ("kvstrata.tools.purge", "remove one model's (fingerprint's) chunks from a store"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "disk": ("kvstrata.tools.bench_disk", "disk tier vs raw file I/O (MB/s, compression ratio)"),
-    "tiers": ("kvstrata.tools.bench_tiers", "host tier vs memcpy, batched lookup cost, prefetch overlap"),
-    "e2e": ("kvstrata.tools.bench_e2e", "time to first token on a real vLLM engine: cold, host, disk"),
-    "overhead": ("kvstrata.tools.bench_overhead", "what kvstrata costs a workload without reuse, and a mixed one"),
-    "remote": ("kvstrata.tools.bench_remote", "shared tier (Redis): load rate vs plain GET, bytes, TTFT vs disk"),
+    "disk": ("kvstrata.bench.disk", "disk tier vs raw file I/O (MB/s, compression ratio)"),
+    "tiers": ("kvstrata.bench.tiers", "host tier vs memcpy, batched lookup cost, prefetch overlap"),
+    "e2e": ("kvstrata.bench.e2e", "time to first token on a real vLLM engine: cold, host, disk"),
+    "overhead": ("kvstrata.bench.overhead", "what kvstrata costs a workload without reuse, and a mixed one"),
+    "remote": ("kvstrata.bench.remote", "shared tier (Redis): load rate vs plain GET, bytes, TTFT vs disk"),
 }
 
 
