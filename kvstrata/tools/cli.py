@@ -32,6 +32,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "e2e": ("kvstrata.bench.e2e", "time to first token on a real vLLM engine: cold, host, disk"),
     "overhead": ("kvstrata.bench.overhead", "what kvstrata costs a workload without reuse, and a mixed one"),
     "remote": ("kvstrata.bench.remote", "shared tier (Redis): load rate vs plain GET, bytes, TTFT vs disk"),
+    "serve": ("kvstrata.bench.serve", "the OpenAI server under multi-round long-context load vs vLLM alone, "
+              "vLLM's offloading, LMCache"),
 }
 
 
