@@ -126,17 +126,12 @@ def build_setup(name: str, base: BaseSettings, work: Path) -> Setup:
     if name == "lmcache":
         venv = base.lmcache_venv or default_lmcache_venv()
         python = ensure_lmcache_venv(venv, base.say)
-        # LMCache's L1 is sized in whole GiB: the nearest to --host-bytes, at least 1.
-        l1_gb = max(1, round(base.host_bytes / (1 << 30)))
+        l1_gb = base.host_bytes / (1 << 30)  # the same host bytes as the others' host tiers
         server = LMCacheServer(python, work / "lmcache_disk", l1_gb, work / "lmcache_server.log",
                                free_port(), free_port())
         setup = Setup([base.spec(server.transfer_config(), python=str(python))],
                       closers=[lambda: {"lmcache_server_clean_stop": server.stop()}],
-                      notes={"lmcache_l1_bytes": l1_gb << 30, "lmcache_venv": str(venv)})
-        if l1_gb << 30 != base.host_bytes:
-            setup.notes["lmcache_l1_note"] = (
-                f"LMCache's L1 takes whole GiB: {l1_gb} GiB against --host-bytes "
-                f"{base.host_bytes / (1 << 30):.3g} GiB")
+                      notes={"lmcache_l1_bytes": base.host_bytes, "lmcache_venv": str(venv)})
         return setup
     raise PeerUnavailable(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
 

@@ -161,7 +161,7 @@ def ensure_lmcache_venv(venv: Path, say: Any = None) -> Path:
 class LMCacheServer:
     """``lmcache server`` with an L1 DRAM tier of ``l1_gb`` and an ``fs_native`` disk tier."""
 
-    def __init__(self, python: Path, disk_dir: Path, l1_gb: int, log: Path, port: int,
+    def __init__(self, python: Path, disk_dir: Path, l1_gb: float, log: Path, port: int,
                  http_port: int, chunk_size: int = 256) -> None:
         disk_dir.mkdir(parents=True, exist_ok=True)
         self.port = port
@@ -170,7 +170,9 @@ class LMCacheServer:
         cmd = [str(python), "-c", "import sys; from lmcache.cli.main import main; "
                "sys.argv[0] = 'lmcache'; sys.exit(main())",
                "server", "--host", "localhost", "--port", str(port), "--chunk-size",
-               str(chunk_size), "--l1-size-gb", str(l1_gb), "--l1-init-size-gb", str(l1_gb),
+               # --l1-size-gb is a float (GiB); lazy growth off so the whole L1 is there from
+               # the start, as kvstrata's host tier is (--l1-init-size-gb is then unused).
+               str(chunk_size), "--l1-size-gb", f"{l1_gb:.6g}", "--no-l1-use-lazy",
                "--eviction-policy", "LRU", "--max-workers", "1",
                "--supported-transfer-mode", "auto", "--shm-name", f"kvstrata_bench_{port}",
                "--l2-adapter", json.dumps({"type": "fs_native", "base_path": str(disk_dir),

@@ -123,7 +123,8 @@ def serve_chart(path: Path, ttfts: dict[str, list[float]],
     ax2.set_xlabel("round")
     ax2.set_ylabel("mean TTFT (s)")
     ax2.set_title("TTFT by round")
-    ax2.legend(fontsize=7)
+    if ax2.get_lines():
+        ax2.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +150,8 @@ def sweep_chart(path: Path, series: dict[str, dict[str, float | None]], title: s
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (s)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

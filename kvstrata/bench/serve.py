@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random Llama checkpoint instead (no tokenizer; the fast test)")
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: all)")
+                   help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: all); "
+                        "none: only --equivalence / --sweep")
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--system-tokens", type=int, default=256)
@@ -71,6 +72,9 @@ def _error(msg: str) -> Exception:
 
 
 def parse_configs(text: str) -> list[str]:
+    """Names in order; "none" runs no configuration (only --equivalence / --sweep)."""
+    if text.strip() == "none":
+        return []
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
@@ -238,6 +242,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fig, results = run_config(name, base, wl, out, progress)
             configs[name] = fig
             ttfts[name] = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+            # Each configuration's figures are on disk as soon as it is done (a long run that is
+            # interrupted keeps what it measured).
+            (out / "serve.partial.json").write_text(json.dumps(configs, indent=1, default=str))
         result: dict[str, Any] = {
             "model": str(model),
             "workload": {**spec.__dict__, "context_tokens_total": wl.total_context_tokens(),
@@ -249,7 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "shutdown_tracebacks": sum(int(c.get("shutdown_tracebacks", 0))
                                        for c in configs.values()),
         }
-        result["chart"] = report.serve_chart(
+        result["chart"] = None if not names else report.serve_chart(
             out / "serve_ttft.png", ttfts,
             {n: c.get("ttft_mean_by_round_s", {}) for n, c in configs.items()},
             f"{Path(model).name}: {spec.users} users x {spec.rounds} rounds, "

@@ -29,8 +29,10 @@ from kvstrata.tools.jobs import child_env
 START_DEADLINE_S = 900.0  # several servers starting on two shared cores: minutes
 STOP_GRACE_S = 90.0
 # What a clean stop must not print (the list: tracebacks, vLLM's executor killing workers).
-LOG_PROBLEMS = ("Traceback (most recent call last)", "EngineDeadError",
-                "workers still running after grace period", "WorkerProc was terminated")
+TRACEBACK = "Traceback (most recent call last)"
+LOG_PROBLEMS = (TRACEBACK, "EngineDeadError",
+                "workers still running after grace period", "WorkerProc was terminated",
+                "force killing remaining process")
 
 
 # vLLM's API server logs this when SIGTERM starts its shutdown.
@@ -128,7 +130,10 @@ class ApiServer:
         for line in text.splitlines():
             if SHUTDOWN_MARK in line:
                 into = stopping
-            if any(p in line for p in LOG_PROBLEMS):
+            # A traceback vLLM logs as a WARNING is one it caught and went on from (e.g. its
+            # chat-template warm-up on a checkpoint without a tokenizer): not a failure.
+            if any(p in line for p in LOG_PROBLEMS) and not (
+                    TRACEBACK in line and " WARNING " in line):
                 into.append(line.strip()[:200])
         return serving, stopping
 
