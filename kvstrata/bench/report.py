@@ -133,6 +133,43 @@ def serve_chart(path: Path, ttfts: dict[str, list[float]],
     return str(path)
 
 
+def percentile_chart(path: Path, configs: dict[str, dict[str, Any]], title: str) -> str | None:
+    """The same two panels from a finished run's JSON (``serve.json`` or the partial file):
+    TTFT mean/p50/p90/p99 per configuration, and mean TTFT by round."""
+    try:
+        plt = _pyplot()
+    except ImportError:
+        return None
+    names = [n for n, c in configs.items() if c.get("ttft_mean_s") is not None]
+    keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        ax1.bar([j + i * width for j in range(len(names))],
+                [configs[n][key] for n in names], width, label=key.removeprefix("ttft_")[:-2])
+    ax1.set_xticks([j + 1.5 * width for j in range(len(names))], names, rotation=30, ha="right",
+                   fontsize=8)
+    ax1.set_ylabel("time to first token (s)")
+    ax1.set_title("TTFT per configuration")
+    ax1.legend(fontsize=7)
+    for name in names:
+        rounds = configs[name].get("ttft_mean_by_round_s") or {}
+        xs = [int(k) for k, v in rounds.items() if v is not None]
+        if xs:
+            ax2.plot(xs, [v for v in rounds.values() if v is not None], marker="o", label=name)
+    ax2.set_xlabel("round")
+    ax2.set_ylabel("mean TTFT (s)")
+    ax2.set_title("TTFT by round")
+    if ax2.get_lines():
+        ax2.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
 def sweep_chart(path: Path, series: dict[str, dict[str, float | None]], title: str) -> str | None:
     """TTFT against prompt length, one line per case (log-log)."""
     try:

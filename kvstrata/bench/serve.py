@@ -182,6 +182,8 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
                                      done=lambda r: progress.step(), logprobs=logprobs)
         after = [scrape(s.base) for s in servers]
         fig.update(report.summarise(results, wall))
+        # Every request's TTFT, so the distribution can be drawn again from the JSON alone.
+        fig["ttft_samples_s"] = [round(r.ttft_s, 4) for r in results if r.ok and r.ttft_s is not None]
         hits: dict[str, float] = {}
         for b, a in zip(before, after, strict=True):
             for k, v in hit_tokens(b, a).items():

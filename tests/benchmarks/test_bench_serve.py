@@ -21,7 +21,7 @@ TOP_LEVEL = ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "ttft_p99_vs_nativ
              "throughput_vs_vllm", "throughput_vs_native_best", "errors", "chart",
              "ttft_mean_vs_lmcache", "configs", "workload", "clean_stops", "tracebacks",
              "shutdown_tracebacks")
-PER_CONFIG = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+PER_CONFIG = ("ttft_samples_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
               "output_tok_per_s", "errors", "hit_tokens", "ttft_mean_by_round_s", "clean_stop",
               "tracebacks", "shutdown_tracebacks")
 
@@ -116,6 +116,10 @@ def test_metrics_are_parsed_per_tier() -> None:
 def test_charts_are_png(tmp_path) -> None:
     path = report.serve_chart(tmp_path / "c.png", {"vllm": [1.0, 2.0], "kvstrata": [0.5]},
                               {"vllm": {"1": 1.5}, "kvstrata": {"1": 0.5, "2": None}}, "t")
+    assert path and Path(path).read_bytes()[:4] == b"\x89PNG"
+    runs = {"vllm": {"ttft_mean_s": 1.0, "ttft_p50_s": 0.9, "ttft_p90_s": 1.5, "ttft_p99_s": 2.0,
+                     "ttft_mean_by_round_s": {"1": 1.0, "2": 1.2}}, "lmcache": {"skipped": "x"}}
+    path = report.percentile_chart(tmp_path / "p.png", runs, "t")
     assert path and Path(path).read_bytes()[:4] == b"\x89PNG"
     path = report.sweep_chart(tmp_path / "s.png", {"cold": {"1024": 0.5, "2048": 1.0}}, "t")
     assert path and Path(path).read_bytes()[:4] == b"\x89PNG"
