@@ -120,6 +120,7 @@ def serve_chart(path: Path, ttfts: dict[str, list[float]],
         ys = [v for v in rounds.values() if v is not None]
         if xs:
             ax2.plot(xs, ys, marker="o", label=name)
+    ax2.xaxis.get_major_locator().set_params(integer=True)
     ax2.set_xlabel("round")
     ax2.set_ylabel("mean TTFT (s)")
     ax2.set_title("TTFT by round")
@@ -157,6 +158,7 @@ def percentile_chart(path: Path, configs: dict[str, dict[str, Any]], title: str)
         xs = [int(k) for k, v in rounds.items() if v is not None]
         if xs:
             ax2.plot(xs, [v for v in rounds.values() if v is not None], marker="o", label=name)
+    ax2.xaxis.get_major_locator().set_params(integer=True)
     ax2.set_xlabel("round")
     ax2.set_ylabel("mean TTFT (s)")
     ax2.set_title("TTFT by round")
