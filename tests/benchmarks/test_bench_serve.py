@@ -168,3 +168,32 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
     for key in ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "throughput_vs_vllm"):
         assert isinstance(result[key], float), key
     assert json.loads((out / "serve.json").read_text())["configs"].keys() == result["configs"].keys()
+
+
+def test_the_lmcache_shim_gives_vllms_dispatcher_a_safe_vars(tmp_path) -> None:
+    # The shim the LMCache environment imports at start-up (bench/peers.py): vLLM's
+    # triton_utils.dispatcher gets a vars() that returns {} where the builtin returns a non-dict
+    # (llvmlite's ffi.lib once numba is imported), and the builtin's result otherwise.
+    import os
+    import subprocess
+    import sys
+
+    from kvstrata.bench.peers import SHIM_MODULE, SHIM_SOURCE
+
+    (tmp_path / f"{SHIM_MODULE}.py").write_text(SHIM_SOURCE)
+    code = (f"import {SHIM_MODULE}\n"
+            "import vllm.triton_utils.dispatcher as d\n"
+            "class Fake:\n"
+            "    @property\n"
+            "    def __dict__(self):\n"
+            "        return 'not a dict'\n"
+            "assert d.vars(Fake()) == {}\n"
+            "class Real:\n"
+            "    pass\n"
+            "r = Real(); r.x = 1\n"
+            "assert d.vars(r) == {'x': 1}\n"
+            "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
