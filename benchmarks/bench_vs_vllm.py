@@ -45,9 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import parse_size
-from kvstrata.tools import ttft
-from kvstrata.tools.bench_e2e import (
+from kvstrata.bench.e2e import (
     Contender,
     json_object,
     kvstrata_contender,
@@ -55,6 +53,8 @@ from kvstrata.tools.bench_e2e import (
     smollm2,
     stores_parent,
 )
+from kvstrata.config import parse_size
+from kvstrata.tools import ttft
 from kvstrata.tools.engine import EngineOptions
 from kvstrata.tools.jobs import JobError, run_job_subprocess
 from kvstrata.tools.models import (

@@ -422,7 +422,7 @@ def _child(job_file: Path, out_file: Path) -> int:
 def profile(system: str, args: argparse.Namespace, store: Path) -> dict[str, Any]:
     """Store the prompt in one process, then profile its disk-served first token in another."""
     from benchmarks.bench_vs_vllm import vllm_fs_contender
-    from kvstrata.tools.bench_e2e import kvstrata_contender
+    from kvstrata.bench.e2e import kvstrata_contender
     from kvstrata.tools.corpus import chat_prompt
     from kvstrata.tools.models import prepare_smollm2, smollm2_prompt_limit
     from kvstrata.tools.ttft import BYPASS_KVSTRATA

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import kvstrata
-from kvstrata.tools import bench_overhead
-from kvstrata.tools.bench_e2e import smollm2
+from kvstrata.bench import overhead as bench_overhead
+from kvstrata.bench.e2e import smollm2
 from kvstrata.tools.engine import build_llm, generate, shutdown_llm, thread_cpu_seconds
 
 KVSTRATA_DIR = str(Path(kvstrata.__file__).resolve().parent) + os.sep

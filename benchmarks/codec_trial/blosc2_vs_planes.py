@@ -49,8 +49,8 @@ import blosc2  # noqa: E402
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
+from kvstrata.bench.disk import bf16_bits, kv_channel_stats, synthetic_kv  # noqa: E402
 from kvstrata.tiers import codec  # noqa: E402
-from kvstrata.tools.bench_disk import bf16_bits, kv_channel_stats, synthetic_kv  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -79,7 +79,7 @@ def _synthetic(nbytes: int, chunk_bytes: int, seed: int, fp32: bool,
 
 
 def synthetic_bf16(nbytes: int, chunk_bytes: int, seed: int) -> tuple[np.ndarray, str]:
-    return synthetic_kv(nbytes, chunk_bytes, seed), "kvstrata.tools.bench_disk.synthetic_kv"
+    return synthetic_kv(nbytes, chunk_bytes, seed), "kvstrata.bench.disk.synthetic_kv"
 
 
 def engine_kv(pattern: str, dtype: str, limit: int) -> np.ndarray | None:

@@ -28,11 +28,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gpu-check": ("kvstrata.tools.gpu_check", "on a CUDA/XPU machine: device tests, stager GB/s, demo TTFTs, decode ITL"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "disk": ("kvstrata.tools.bench_disk", "disk tier vs raw file I/O (MB/s, compression ratio)"),
-    "tiers": ("kvstrata.tools.bench_tiers", "host tier vs memcpy, batched lookup cost, prefetch overlap"),
-    "e2e": ("kvstrata.tools.bench_e2e", "time to first token on a real vLLM engine: cold, host, disk"),
-    "overhead": ("kvstrata.tools.bench_overhead", "what kvstrata costs a workload without reuse, and a mixed one"),
-    "remote": ("kvstrata.tools.bench_remote", "shared tier (Redis): load rate vs plain GET, bytes, TTFT vs disk"),
+    "disk": ("kvstrata.bench.disk", "disk tier vs raw file I/O (MB/s, compression ratio)"),
+    "tiers": ("kvstrata.bench.tiers", "host tier vs memcpy, batched lookup cost, prefetch overlap"),
+    "e2e": ("kvstrata.bench.e2e", "time to first token on a real vLLM engine: cold, host, disk"),
+    "overhead": ("kvstrata.bench.overhead", "what kvstrata costs a workload without reuse, and a mixed one"),
+    "remote": ("kvstrata.bench.remote", "shared tier (Redis): load rate vs plain GET, bytes, TTFT vs disk"),
+    "serve": ("kvstrata.bench.serve", "the OpenAI server under multi-round long-context load vs vLLM alone, "
+              "vLLM's offloading, LMCache"),
 }
 
 

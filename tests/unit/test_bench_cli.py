@@ -63,7 +63,7 @@ def test_demo_takes_prompts_up_to_the_context_minus_the_answer(argv, message, ca
 
 
 def test_bench_overhead_options_and_workloads() -> None:
-    from kvstrata.tools.bench_overhead import workload_batches
+    from kvstrata.bench.overhead import workload_batches
 
     args = build_parser().parse_args(["bench", "overhead", "--prompts", "6", "--prompt-tokens", "64",
                                       "--batches", "3", "--workload", "mixed"])
@@ -86,7 +86,7 @@ def test_bench_overhead_needs_the_baseline(capsys) -> None:
 
 
 def test_bench_overhead_sizes_vllms_cache_below_the_shared_prefixes() -> None:
-    from kvstrata.tools.bench_overhead import KV_BYTES_PER_TOKEN, engine_options
+    from kvstrata.bench.overhead import KV_BYTES_PER_TOKEN, engine_options
 
     args = build_parser().parse_args(["bench", "overhead", "--prompts", "10", "--prompt-tokens", "90",
                                       "--max-tokens", "10"])
@@ -101,7 +101,7 @@ def test_bench_overhead_sizes_vllms_cache_below_the_shared_prefixes() -> None:
 
 
 def test_bench_overhead_reports_kvstratas_saving_against_the_reference() -> None:
-    from kvstrata.tools.bench_overhead import _report
+    from kvstrata.bench.overhead import _report
 
     def rows(*batch_s: float) -> list[dict]:
         return [{"batch_s": list(batch_s), "hit_tokens": 0, "vllm_prefix_hits": 0, "disk_write_MBps": 0.0,

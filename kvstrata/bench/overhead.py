@@ -40,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvstrata.tools.bench_e2e import json_object, smollm2
+from kvstrata.bench.e2e import json_object, smollm2
 from kvstrata.tools.engine import EngineOptions
 from kvstrata.tools.jobs import run_job_subprocess
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.tools.bench_disk import entropy_bound, synthetic_kv
+from kvstrata.bench.disk import entropy_bound, synthetic_kv
 from kvstrata.tools.redis_local import (
     RedisServer,
     RedisUnavailable,
@@ -329,9 +329,9 @@ def _served(step: dict[str, Any]) -> dict[str, Any]:
 
 def first_token(url: str, args: argparse.Namespace, tokens: int,
                 say: Callable[[str], None]) -> dict[str, Any]:
+    from kvstrata.bench.e2e import smollm2, stores_parent
     from kvstrata.config import parse_size
     from kvstrata.tools import ttft
-    from kvstrata.tools.bench_e2e import smollm2, stores_parent
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt
     from kvstrata.tools.engine import store_summary

