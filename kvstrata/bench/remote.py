@@ -196,21 +196,19 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
         nkeys, strlen_sum, mem_sum = value_bytes(plain, b"kvstrata:" + ns.hex().encode() + b":*")
         raw_nkeys, raw_strlen, raw_mem = value_bytes(plain, RAW_PREFIX + ns.hex().encode() + b":*")
 
-        def kvstrata_load() -> tuple[float, bool]:
-            sink.fill(1)  # a touched destination, like the host slab
-            t0 = time.perf_counter()
-            got = list(pool.map(lambda i: store.get_many_into([(keys[i], outs[i])])[0],
-                                range(n_chunks)))
-            s = time.perf_counter() - t0
-            return s, all(g == chunk_bytes for g in got) and bool(np.array_equal(sink, flat))
+        def load_through(st: Any, ks: list[bytes]) -> Callable[[], tuple[float, bool]]:
+            """A timed load of every chunk through ``st`` (keys ``ks``), checked byte for byte."""
+            def run() -> tuple[float, bool]:
+                sink.fill(1)  # a touched destination, like the host slab
+                t0 = time.perf_counter()
+                got = list(pool.map(lambda i: st.get_many_into([(ks[i], outs[i])])[0],
+                                    range(n_chunks)))
+                s = time.perf_counter() - t0
+                return s, all(g == chunk_bytes for g in got) and bool(np.array_equal(sink, flat))
+            return run
 
-        def kvstrata_mac_load() -> tuple[float, bool]:
-            sink.fill(1)
-            t0 = time.perf_counter()
-            got = list(pool.map(lambda i: mac_store.get_many_into([(mac_keys[i], outs[i])])[0],
-                                range(n_chunks)))
-            s = time.perf_counter() - t0
-            return s, all(g == chunk_bytes for g in got) and bool(np.array_equal(sink, flat))
+        kvstrata_load = load_through(store, keys)
+        kvstrata_mac_load = load_through(mac_store, mac_keys)
 
         def plain_get() -> tuple[float, bool]:
             t0 = time.perf_counter()

@@ -115,17 +115,22 @@ def serve_chart(path: Path, ttfts: dict[str, list[float]],
         ax1.set_xticks(range(1, len(names) + 1), names, rotation=30, ha="right", fontsize=8)
     ax1.set_ylabel("time to first token (s)")
     ax1.set_title("TTFT per configuration")
+    return _rounds_panel_and_save(plt, fig, ax2, by_round, title, path)
+
+
+def _rounds_panel_and_save(plt: Any, fig: Any, ax: Any, by_round: dict[str, dict[str, float | None]],
+                           title: str, path: Path) -> str:
+    """Both serve charts' right panel (mean TTFT by round per configuration), then the PNG."""
     for name, rounds in by_round.items():
         xs = [int(k) for k, v in rounds.items() if v is not None]
-        ys = [v for v in rounds.values() if v is not None]
         if xs:
-            ax2.plot(xs, ys, marker="o", label=name)
-    ax2.xaxis.get_major_locator().set_params(integer=True)
-    ax2.set_xlabel("round")
-    ax2.set_ylabel("mean TTFT (s)")
-    ax2.set_title("TTFT by round")
-    if ax2.get_lines():
-        ax2.legend(fontsize=7)
+            ax.plot(xs, [v for v in rounds.values() if v is not None], marker="o", label=name)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title("TTFT by round")
+    if ax.get_lines():
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,23 +158,8 @@ def percentile_chart(path: Path, configs: dict[str, dict[str, Any]], title: str)
     ax1.set_ylabel("time to first token (s)")
     ax1.set_title("TTFT per configuration")
     ax1.legend(fontsize=7)
-    for name in names:
-        rounds = configs[name].get("ttft_mean_by_round_s") or {}
-        xs = [int(k) for k, v in rounds.items() if v is not None]
-        if xs:
-            ax2.plot(xs, [v for v in rounds.values() if v is not None], marker="o", label=name)
-    ax2.xaxis.get_major_locator().set_params(integer=True)
-    ax2.set_xlabel("round")
-    ax2.set_ylabel("mean TTFT (s)")
-    ax2.set_title("TTFT by round")
-    if ax2.get_lines():
-        ax2.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
+    by_round = {n: configs[n].get("ttft_mean_by_round_s") or {} for n in names}
+    return _rounds_panel_and_save(plt, fig, ax2, by_round, title, path)
 
 
 def sweep_chart(path: Path, series: dict[str, dict[str, float | None]], title: str) -> str | None:
