@@ -57,6 +57,13 @@ def make_prompts(seed: int = 1234) -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
+def independent_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    """Independent prompts (no two share a first token's block), so every cached token of a
+    fresh engine comes from kvstrata, none from vLLM's own prefix cache."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(n)] for n in lengths]
+
+
 @dataclass(frozen=True)
 class Restart:
     """One more restarted engine on a scenario's store, serving the equivalence prompts again:

@@ -21,7 +21,6 @@ is started: a value sealed under another secret fails the same check as an unsig
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import time
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from e2e_harness import (
     JOB_TIMEOUT_S,
     dump,
     generate_step,
+    independent_prompts,
     metric,
     namespaces_of,
     steps_by_name,
@@ -48,19 +48,14 @@ from equivalence import (
 )
 from redis_server import RedisServer
 
-from kvstrata.tools import models
 from kvstrata.tools.jobs import run_jobs_subprocess
 
 CASE = CASES["llama"]  # float32, 128-token blocks, prompt tails served
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(n)] for n in lengths]
 
-
-P = _prompts(31, [2, 129, 200, 258])  # tails: all of a 2-token prompt, 1, 72 and 2 tokens
-Q = _prompts(32, [130, 256, 301])  # what the forger computes with the other checkpoint
+P = independent_prompts(31, [2, 129, 200, 258])  # tails: all of a 2-token prompt, 1, 72 and 2 tokens
+Q = independent_prompts(32, [130, 256, 301])  # what the forger computes with the other checkpoint
 
 
 def _gen(name: str, prompts: list[list[int]], salt: str | None) -> dict[str, Any]:

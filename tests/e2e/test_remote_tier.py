@@ -10,7 +10,6 @@ process has exited (checked, not waited for).
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +20,7 @@ from e2e_harness import (
     JOB_TIMEOUT_S,
     dump,
     generate_step,
+    independent_prompts,
     metric,
     namespaces_of,
     steps_by_name,
@@ -37,24 +37,17 @@ from equivalence import (
 from redis_server import RedisServer
 
 from kvstrata.tiers.remote import KEY_PREFIX
-from kvstrata.tools import models
 from kvstrata.tools.jobs import run_jobs_subprocess
 
 CASE = CASES["llama"]  # float32, 128-token blocks, prompt tails served
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    """Independent prompts (no two share a first token's block), so every cached token of a
-    fresh engine comes from kvstrata, none from vLLM's own prefix cache."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(n)] for n in lengths]
-
 
 # Block boundaries +-1/2, two blocks, 1- and 2-token prompts (equivalence.boundary_lengths).
-SHARED = _prompts(11, [1, 2, 126, 127, 128, 129, 130, 256, 258, 301])
+SHARED = independent_prompts(11, [1, 2, 126, 127, 128, 129, 130, 256, 258, 301])
 # Never seen by A: computed by B while the server hangs.
-HUNG = _prompts(12, [1, 2, 128, 129, 257])
-HUNG_LATER = _prompts(13, [2, 130, 200])
+HUNG = independent_prompts(12, [1, 2, 128, 129, 257])
+HUNG_LATER = independent_prompts(13, [2, 130, 200])
 
 
 def _remote_store_keys(server: RedisServer) -> set[bytes]:

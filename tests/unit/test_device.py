@@ -428,6 +428,18 @@ def test_stream_stager_has_no_load_now():
 
 # ---- accelerator -------------------------------------------------------------------------------
 
+def moved_pages(model: Model, g: int, src: list[list[int]], dst: list[list[int]]) -> dict:
+    """What a store of blocks ``src`` then a load into blocks ``dst`` (same chunk positions)
+    must leave in the destination pages of group ``g``: ``{(layer, dst block): page}``."""
+    return {
+        (n, d): model.page(n, g, s).clone()
+        for n in model.groups[g]
+        for a, b in zip(src, dst, strict=True)
+        for s, d in zip(a, b, strict=True)
+        if s
+    }
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -455,13 +467,7 @@ def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
         g = 1
         src = [[5, 1, 8, 2], [9, 0, 11]]  # a whole chunk and a partial one with a null block
         dst = [[20, 21, 22, 23], [30, 0, 31]]
-        want = {
-            (n, d): model.page(n, g, s).clone()
-            for n in model.groups[g]
-            for a, b in zip(src, dst, strict=True)
-            for s, d in zip(a, b, strict=True)
-            if s
-        }
+        want = moved_pages(model, g, src, dst)
         stager.store(1, [Transfer(g, 0, 0, src[0]), Transfer(g, 1, 1, src[1])])
         stager.wait([1])
         before = model.raw.cpu().numpy().copy()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from accel_double import FakeDevice
-from test_device import ALL_MODELS, BPC, Model, _fa, _fill_random, _host, kvi
+from test_device import ALL_MODELS, BPC, Model, _fa, _fill_random, _host, kvi, moved_pages
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -81,13 +81,7 @@ def test_round_trip_is_bit_exact_through_dma_descriptors(model: Model):
     g = len(model.groups) - 1
     src = [[5, 6, 1, 2], [9, 0, 11]]
     dst = [[20, 21, 22, 23], [30, 0, 31]]
-    want = {
-        (n, d): model.page(n, g, s).clone()
-        for n in model.groups[g]
-        for a, b in zip(src, dst, strict=True)
-        for s, d in zip(a, b, strict=True)
-        if s
-    }
+    want = moved_pages(model, g, src, dst)
     stager.store(1, [Transfer(g, 0, 0, src[0]), Transfer(g, 1, 1, src[1])])
     dev.run()
     before = model.raw.clone().numpy()
