@@ -127,9 +127,13 @@ class StrataConfig:
     # restart are served at host-tier speed instead of reading the disk. 0 (off) by default:
     # the reads compete with serving while it runs.
     warm_start_bytes: int = 0
-    # Writing chunks down to the disk (compression, LMDB puts, syncs) runs at idle CPU priority
-    # (tiers/priority.py), so it takes only cores serving leaves idle; "normal" does not lower it.
-    background_priority: str = "idle"
+    # Writing chunks down to the lower tiers (compression, LMDB puts, syncs). "auto": at idle
+    # CPU priority (tiers/priority.py), so it takes only cores serving leaves idle, until the
+    # write-behind falls behind (chunks postponed, half its host-slot budget held); then on
+    # normal-priority threads, since an engine that keeps every core busy (vLLM on CPU under
+    # load) gives idle threads no CPU and the host tier would evict what the disk never got
+    # (docs/BENCHMARKS.md, "Serving under load"). "idle": always idle; "normal": never lowered.
+    background_priority: str = "auto"
     # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and
     # those dropped or failed while the host tier still holds them), so a restart finds
     # them; it waits at most this long, then abandons the rest (logged). null: no bound.
@@ -369,7 +373,7 @@ _VALIDATORS = {
     "python_switch_interval_s": _optional_seconds,
     "self_describing_kv_events": _bool,
     "warm_start_bytes": parse_size,
-    "background_priority": _choice("idle", "normal"),
+    "background_priority": _choice("auto", "idle", "normal"),
     "shutdown_write_timeout_s": _optional_seconds,
     "remote_url": lambda k, v: _remote_url(k, v),
     "remote_connect_timeout_s": lambda k, v: _seconds(k, v),

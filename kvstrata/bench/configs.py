@@ -46,6 +46,8 @@ class BaseSettings:
     dtype: str | None = None
     skip_tokenizer_init: bool = False
     lmcache_venv: Path | None = None
+    # More kvstrata options for every kvstrata configuration (``--kvstrata-options``).
+    kvstrata_options: dict[str, Any] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
     say: Callable[[str], None] = lambda msg: None
 
@@ -95,11 +97,12 @@ def build_setup(name: str, base: BaseSettings, work: Path) -> Setup:
         return Setup([base.spec(kv, env)])
     if name == "kvstrata":
         store = work / "store"
-        return Setup([base.spec(strata_transfer_config(store, host_bytes=base.host_bytes))],
-                     stores=[store])
+        kv = strata_transfer_config(store, host_bytes=base.host_bytes, **base.kvstrata_options)
+        return Setup([base.spec(kv)], stores=[store])
     if name == "kvstrata_host_only":
         store = work / "store"
-        kv = strata_transfer_config(store, host_bytes=base.host_bytes, disk=False)
+        kv = strata_transfer_config(store, host_bytes=base.host_bytes,
+                                    **{**base.kvstrata_options, "disk": False})
         return Setup([base.spec(kv)])
     if name in ("two_replicas", "two_replicas_redis"):
         setup = Setup([])
@@ -120,7 +123,7 @@ def build_setup(name: str, base: BaseSettings, work: Path) -> Setup:
         for i in range(2):
             store = work / f"store_{i}"
             setup.specs.append(base.spec(strata_transfer_config(
-                store, host_bytes=base.host_bytes, **remote)))
+                store, host_bytes=base.host_bytes, **{**base.kvstrata_options, **remote})))
             setup.stores.append(store)
         return setup
     if name == "lmcache":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so the users' contexts do not fit in it)")
     p.add_argument("--host-bytes", default="128MiB",
                    help="host tier of kvstrata, vLLM's CPU tier and LMCache's L1 (default 128MiB)")
+    p.add_argument("--kvstrata-options", default="{}",
+                   help="JSON object of more kvstrata options for every kvstrata configuration, "
+                        "e.g. '{\"background_priority\": \"normal\"}'")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default=None, help="server --dtype (default: the model's)")
@@ -93,6 +97,23 @@ def parse_sweep(text: str) -> list[int]:
     return lengths
 
 
+def parse_kvstrata_options(text: str) -> dict[str, Any]:
+    """``--kvstrata-options``: a JSON object of options kvstrata's own parser accepts."""
+    from kvstrata.config import StrataConfig
+
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise _error(f"--kvstrata-options: not JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise _error("--kvstrata-options: expected a JSON object of kvstrata options")
+    try:
+        StrataConfig.from_extra_config(options)
+    except ConfigError as exc:
+        raise _error(f"--kvstrata-options: {exc}") from None
+    return options
+
+
 def prepare_model(args: argparse.Namespace, out: Path) -> Path:
     from kvstrata.tools import models
 
@@ -122,11 +143,13 @@ def base_settings(args: argparse.Namespace, model: Path, dtype: str | None,
             kv = parse_size("--kv-cache-bytes", args.kv_cache_bytes)
     except (ConfigError, ValueError) as exc:
         raise _error(str(exc)) from None
+    options = parse_kvstrata_options(args.kvstrata_options)
     no_tokenizer = not (model / "tokenizer.json").is_file()
     return BaseSettings(
         model=str(model), kv_cache_bytes=kv, host_bytes=host, max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs, dtype=dtype, skip_tokenizer_init=no_tokenizer,
         lmcache_venv=Path(args.lmcache_venv).expanduser() if args.lmcache_venv else None,
+        kvstrata_options=options,
         # Past the trained length is fine for timing (the sweep): vLLM asks for this switch.
         extra_env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, say=say)
 
@@ -160,7 +183,14 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
                ) -> tuple[dict[str, Any], list[Any]]:
     """Start the configuration's servers, replay the workload, stop them; (figures, results)."""
     from kvstrata.bench.client import run_workload
-    from kvstrata.bench.server import ApiServer, ServerError, hit_tokens, scrape, wait_healthy
+    from kvstrata.bench.server import (
+        ApiServer,
+        ServerError,
+        hit_tokens,
+        kvstrata_figures,
+        scrape,
+        wait_healthy,
+    )
 
     try:
         setup = build_setup(name, base, out / "work" / name)
@@ -178,9 +208,13 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         fig["start_s"] = round(wait_healthy(servers), 1)
         before = [scrape(s.base) for s in servers]
         progress.say(f"{name}: load")
+        # The machine's load while this configuration ran: configurations run one after
+        # another, and on a shared machine a ratio is only a comparison if these agree.
+        fig["loadavg_start"] = round(os.getloadavg()[0], 2)
         results, wall = run_workload([s.base for s in servers], base.model, wl,
                                      done=lambda r: progress.step(), logprobs=logprobs)
         after = [scrape(s.base) for s in servers]
+        fig["loadavg_end"] = round(os.getloadavg()[0], 2)
         fig.update(report.summarise(results, wall))
         # Every request's TTFT, so the distribution can be drawn again from the JSON alone.
         fig["ttft_samples_s"] = [round(r.ttft_s, 4) for r in results if r.ok and r.ttft_s is not None]
@@ -189,6 +223,12 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
             for k, v in hit_tokens(b, a).items():
                 hits[k] = hits.get(k, 0.0) + v
         fig["hit_tokens"] = hits
+        ours: dict[str, float] = {}
+        for b, a in zip(before, after, strict=True):
+            for k, v in kvstrata_figures(b, a).items():
+                ours[k] = ours.get(k, 0.0) + v
+        if ours:
+            fig["kvstrata"] = ours
     except ServerError as exc:
         fig["failed"] = str(exc)[-800:]
         progress.step(len(wl.users) * wl.spec.rounds - len(results))

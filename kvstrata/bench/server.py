@@ -248,6 +248,31 @@ HIT_SERIES = {
 }
 
 
+# kvstrata's own figures worth reading beside the hits: what its write-behind could not write
+# (the disk tier's admission drops), stores refused for want of a host slot, failed loads, and
+# promotions (disk -> host). Counters are deltas over the run, gauges the value at its end.
+KVSTRATA_SERIES = {
+    "allocation_failures": "vllm:kvstrata_allocation_failures_total",
+    "load_failures": "vllm:kvstrata_load_failures_total",
+    "store_jobs": "vllm:kvstrata_store_jobs_total",
+    "load_jobs": "vllm:kvstrata_load_jobs_total",
+    "disk_admission_drops": "vllm:kvstrata_disk_admission_drops",
+    "writes_behind": "vllm:kvstrata_writes_behind",
+    "promotions": "vllm:kvstrata_promotions",
+    "disk_entries": "vllm:kvstrata_disk_entries",
+}
+
+
+def kvstrata_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """kvstrata's figures of :data:`KVSTRATA_SERIES` present in ``after`` (counters as deltas)."""
+    out: dict[str, float] = {}
+    for name, series in KVSTRATA_SERIES.items():
+        if series in after:
+            out[name] = after[series] - (before.get(series, 0.0) if series.endswith("_total")
+                                         else 0.0)
+    return out
+
+
 def hit_tokens(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Prefix hit tokens per tier over a run (deltas of the counters present)."""
     out: dict[str, float] = {}

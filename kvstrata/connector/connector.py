@@ -89,7 +89,11 @@ def build_hierarchy(
             )
         disk = DiskStore(
             store_path, budget_bytes=cfg.disk_bytes, level=cfg.zstd_level, codec=cfg.codec,
-            max_age_s=cfg.max_age_s, idle_writer=cfg.background_priority == "idle",
+            max_age_s=cfg.max_age_s,
+            # In "auto" the store's LMDB writer and sync threads keep normal priority: the
+            # urgent writes that catch up must not queue behind an idle thread (their CPU is
+            # small beside compression, which the write-behind's own threads do).
+            idle_writer=cfg.background_priority == "idle",
             mode=cfg.store_mode, auth=disk_auth,
         )
         fsmode.warn_if_readable(Path(store_path), logger)
@@ -141,7 +145,8 @@ def build_hierarchy(
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.resolve_io_threads(),
         events=events,
-        idle_writes=cfg.background_priority == "idle",
+        idle_writes=cfg.background_priority in ("auto", "idle"),
+        urgent_writes=cfg.background_priority == "auto",
     )
     return hierarchy, [c for c in (remote, disk, slab) if c is not None], session_dir
 

@@ -233,8 +233,9 @@ def test_seconds_take_numbers_and_decimal_strings() -> None:
     assert cfg.max_age_s == 0.25 and cfg.python_switch_interval_s == 1.0
 
 
-def test_background_priority_is_idle_unless_asked() -> None:
-    assert StrataConfig.from_extra_config({}).background_priority == "idle"
+def test_background_priority_is_auto_unless_asked() -> None:
+    assert StrataConfig.from_extra_config({}).background_priority == "auto"
+    assert StrataConfig.from_extra_config({"background_priority": "idle"}).background_priority == "idle"
     assert StrataConfig.from_extra_config({"background_priority": "normal"}).background_priority == "normal"
     with pytest.raises(ConfigError, match="background_priority"):
         StrataConfig.from_extra_config({"background_priority": "low"})

@@ -70,7 +70,12 @@ class Hierarchy:
             tier.
         max_write_inflight_bytes: bytes of writes in flight per tier before backpressure (one
             value, or one per tier).
+        max_write_pinned_bytes: host bytes the write-behind may hold (writes in flight and
+            deferred; each tier an even share); beyond, writes are postponed without holding a
+            slot (``write_behind``). Default: half the host tier.
         idle_writes: write-behind threads run at idle CPU priority (``tiers.priority``).
+        urgent_writes: with ``idle_writes``, writes run on normal-priority threads while the
+            write-behind is behind (``write_behind``).
         retry_failed_after_s: a chunk whose promotion failed is a miss for this long (unless
             stored again), then its tiers are asked again (``shared.FailedPromotions``).
         clock: monotonic seconds for ``retry_failed_after_s`` (``time.monotonic``; tests pass
@@ -90,12 +95,14 @@ class Hierarchy:
         write_backpressure: Literal["defer", "drop"] | Sequence[Literal["defer", "drop"]] = "defer",
         max_write_inflight_bytes: int | Sequence[int] = DEFAULT_WRITE_INFLIGHT_BYTES,
         max_deferred_bytes: int | None = None,
+        max_write_pinned_bytes: int | None = None,
         max_concurrent_reads: int = 4,
         read_threads: int = 2,
         write_threads: int = 1,
         offer_tracker_size: int = 1 << 17,
         events: bool = False,
         idle_writes: bool = True,
+        urgent_writes: bool = False,
         retry_failed_after_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -118,10 +125,13 @@ class Hierarchy:
         self.namespaces = s.namespaces
         self.shard_bytes = s.shard_bytes
         self._pipe = Pipeline(links, read_threads=read_threads, write_threads=write_threads,
-                              max_concurrent_reads=max_concurrent_reads, idle_writes=idle_writes)
+                              max_concurrent_reads=max_concurrent_reads, idle_writes=idle_writes,
+                              urgent_writes=urgent_writes)
         self._writes = WriteBehind(
             s, self._pipe,
-            max_deferred_bytes=s.slab.nbytes // 4 if max_deferred_bytes is None else max_deferred_bytes)
+            max_deferred_bytes=s.slab.nbytes // 4 if max_deferred_bytes is None else max_deferred_bytes,
+            max_pinned_bytes=(s.slab.nbytes // 2 if max_write_pinned_bytes is None
+                              else max_write_pinned_bytes))
         self._promoter = Promoter(s, self._pipe, self._writes)
         self._background = Background(s, self._pipe, self._promote_collecting, self.wait_promotions)
         host_pool.on_evict = self._on_evict
@@ -469,6 +479,7 @@ class Hierarchy:
         c["lookup_pending"] += states.count(_PENDING) + streamed
 
     def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
+        self._writes.evicted(key)
         for link in self._s.links:
             link.resident.discard(key)
             link.unwritten.discard(key)

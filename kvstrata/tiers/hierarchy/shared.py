@@ -33,6 +33,7 @@ COUNTERS = (
     "promotions_started", "promotions_completed", "promotions_failed", "promote_no_room",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
     "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed", "writes_retried",
+    "writes_resumed", "writes_lost", "writes_urgent",
 )
 
 
@@ -63,6 +64,10 @@ class TierLink:
     # failed: a server that did not answer in time), while they stay in the host tier: a clean
     # shutdown writes them (``WriteBehind.flush_unwritten``), so a restart still finds them.
     unwritten: set[bytes] = field(default_factory=set)
+    # Those of them whose write backpressure dropped on a "defer" tier, oldest first: written
+    # while serving once the tier's budget has room again (``WriteBehind``), unless the host
+    # tier evicts them first (counted lost).
+    postponed: dict[bytes, None] = field(default_factory=dict)
     # Those of them whose write failed: written again once a write to this tier succeeds (the
     # server is back, the disk has room), as far as the write budget allows; a chunk whose
     # writes failed more than MAX_WRITE_RETRIES times waits for the shutdown (or, with an
@@ -72,11 +77,14 @@ class TierLink:
     failures: dict[bytes, int] = field(default_factory=dict)
     inflight_bytes: int = 0
     writes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("completed", "failed", "dropped", "deferred", "bytes", "flushed", "retried"), 0))
+        ("completed", "failed", "dropped", "deferred", "bytes", "flushed", "retried", "resumed",
+         "lost", "urgent"), 0))
     # Threads of this tier's own (see Pipeline): a tier that stops answering holds up only
     # its own reads and writes.
     read_pool: ThreadPoolExecutor | None = None
     write_pool: ThreadPoolExecutor | None = None
+    # Normal-priority write threads for when the idle ones fall behind (Pipeline), or None.
+    urgent_pool: ThreadPoolExecutor | None = None
 
     @property
     def name(self) -> str:
@@ -259,15 +267,20 @@ class Pipeline:
     answering never holds up another tier's reads or writes."""
 
     def __init__(self, links: Sequence[TierLink], *, read_threads: int, write_threads: int,
-                 max_concurrent_reads: int, idle_writes: bool = True) -> None:
+                 max_concurrent_reads: int, idle_writes: bool = True,
+                 urgent_writes: bool = False) -> None:
         self.links = list(links)
         # Writes yield to serving (tiers/priority.py); reads keep normal priority: a request
-        # waits on them.
+        # waits on them. With ``urgent_writes`` each tier also gets write threads at normal
+        # priority, which the write-behind uses while the idle ones are behind.
         init = lower_this_thread if idle_writes else None
         for link in self.links:
             link.read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvstrata-read-{link.name}")
             link.write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix=f"kvstrata-write-{link.name}",
                                                  initializer=init)
+            if urgent_writes and idle_writes:
+                link.urgent_pool = ThreadPoolExecutor(
+                    write_threads, thread_name_prefix=f"kvstrata-write-urgent-{link.name}")
         self.loop = asyncio.new_event_loop()
         self.read_sem = asyncio.Semaphore(max_concurrent_reads)
         self.max_concurrent_reads = max_concurrent_reads
@@ -301,6 +314,6 @@ class Pipeline:
         if drained:
             self.loop.close()
         for link in self.links:
-            for pool in (link.read_pool, link.write_pool):
+            for pool in (link.read_pool, link.write_pool, link.urgent_pool):
                 if pool is not None:
                     pool.shutdown(wait=drained)

@@ -8,6 +8,16 @@ to ``max_deferred_bytes``) or dropped, as the tier's link says, and counted. Cal
 on a tier. A write that failed (a server that did not answer in time, a full disk) is tried
 again once a later write to the same tier succeeds. A clean shutdown (``Hierarchy.close``) writes
 the chunks still in the host tier whose write was dropped or failed before it drains.
+
+The host tier is never held back by its own write-behind: writes in flight and deferred pin at
+most ``max_pinned_bytes`` of host slots (half the host tier by default; each tier an even share
+of it), so a store always finds slots to evict. Beyond that a "defer" tier's writes are postponed without a slot
+reference: the oldest postponed chunk still in the host tier is written whenever the budget has
+room again, and one the host tier evicts first is counted lost. Where the write threads run at
+idle priority, the write-behind uses the tier's normal-priority threads (``urgent_pool``) while
+it is behind (postponed chunks waiting, or half its pin budget used): idle threads alone get no
+CPU on an engine that keeps every core busy, and the host tier then drops what the disk never got
+(docs/BENCHMARKS.md, "Serving under load").
 """
 
 from __future__ import annotations
@@ -37,10 +47,26 @@ class WriteBehind:
         pipeline: Pipeline,
         *,
         max_deferred_bytes: int,
+        max_pinned_bytes: int,
     ) -> None:
         self.s = shared
         self.pipe = pipeline
         self.max_deferred = max_deferred_bytes
+        self.max_pinned = max_pinned_bytes
+
+    def link_budget(self) -> int:
+        """Host bytes one tier's writes may pin: the budget shared evenly, so a tier that stops
+        answering holds only its own share and never postpones another tier's writes."""
+        return self.max_pinned // max(1, len(self.s.links))
+
+    def _fits(self, link: TierLink, size: int) -> bool:
+        pinned = link.inflight_bytes + link.deferred_bytes
+        return pinned == 0 or pinned + size <= self.link_budget()
+
+    def behind(self, link: TierLink) -> bool:
+        """Whether the writes of ``link`` fall behind: chunks postponed, or half its pin budget
+        used. Read without the lock (a hint for which threads run the next write)."""
+        return bool(link.postponed) or 2 * (link.inflight_bytes + link.deferred_bytes) >= self.link_budget()
 
     # ---- under the lock ------------------------------------------------------------------------
 
@@ -57,9 +83,10 @@ class WriteBehind:
         if self.s.closed or key in link.resident or key in link.queued:
             return None
         size = self.s.chunk_bytes(key)
-        if link.inflight_bytes == 0 or link.inflight_bytes + size <= link.max_inflight:
+        room = self._fits(link, size)
+        if room and (link.inflight_bytes == 0 or link.inflight_bytes + size <= link.max_inflight):
             return self._claim(link, key, size)
-        if link.defer and link.deferred_bytes + size <= self.max_deferred:
+        if room and link.defer and link.deferred_bytes + size <= self.max_deferred:
             self.s.pool.acquire(key)  # the slot must survive until the write runs
             link.queued.add(key)
             link.deferred.append(key)
@@ -70,6 +97,8 @@ class WriteBehind:
         link.writes["dropped"] += 1
         self.s.counts["writes_dropped"] += 1
         link.unwritten.add(key)
+        if link.defer:
+            link.postponed[key] = None
         return None
 
     def _claim(self, link: TierLink, key: bytes, size: int, pinned: bool = False) -> Write:
@@ -78,6 +107,7 @@ class WriteBehind:
         slot = pool.acquire(key) if not pinned else entry[0]  # type: ignore[index]
         link.queued.add(key)
         link.unwritten.discard(key)
+        link.postponed.pop(key, None)
         link.failed.discard(key)
         link.inflight_bytes += size
         self.s.counts["writes_started"] += 1
@@ -95,6 +125,7 @@ class WriteBehind:
                 continue
             order = [k for k in reversed(pool.keys()) if k in link.unwritten]
             link.unwritten.clear()
+            link.postponed.clear()
             link.failed.clear()
             for key in order:
                 if not pool.is_ready(key) or key in link.resident or key in link.queued:
@@ -115,7 +146,8 @@ class WriteBehind:
             self.pipe.call_soon(self._start, items)
 
     def _pump(self, link: TierLink, force: bool = False) -> list[Write]:
-        """Deferred writes of ``link`` that fit now; ``force`` takes them all (drain)."""
+        """Deferred writes of ``link`` that fit now, then postponed ones still in the host tier;
+        ``force`` takes every deferred one (drain; the shutdown queues postponed ones itself)."""
         out = []
         while link.deferred:
             key = link.deferred[0]
@@ -125,7 +157,29 @@ class WriteBehind:
             link.deferred.popleft()
             link.deferred_bytes -= size
             out.append(self._claim(link, key, size, pinned=True))
+        if force:
+            return out
+        pool = self.s.pool
+        while link.postponed:
+            key = next(iter(link.postponed))
+            if not pool.is_ready(key) or key in link.resident or key in link.queued:
+                del link.postponed[key]
+                continue
+            size = self.s.chunk_bytes(key)
+            if not self._fits(link, size) or (
+                    link.inflight_bytes and link.inflight_bytes + size > link.max_inflight):
+                break
+            out.append(self._claim(link, key, size))
+            link.writes["resumed"] += 1
+            self.s.counts["writes_resumed"] += 1
         return out
+
+    def evicted(self, key: bytes) -> None:
+        """The host tier evicted ``key`` (under the lock): a postponed write of it is lost."""
+        for link in self.s.links:
+            if link.postponed.pop(key, 0) is None:
+                link.writes["lost"] += 1
+                self.s.counts["writes_lost"] += 1
 
     def forget(self, link: TierLink, keys: Sequence[bytes]) -> None:
         """The tier removed these chunks: a resident one is written again when admitted next
@@ -141,7 +195,13 @@ class WriteBehind:
             self.pipe.spawn(self._write(*item))
 
     async def _write(self, link: TierLink, key: bytes, slot: int, group: int, size: int) -> None:
-        ok = await self.pipe.loop.run_in_executor(link.write_pool, self._put, link, key, slot, group)
+        pool = link.write_pool
+        if link.urgent_pool is not None and self.behind(link):
+            pool = link.urgent_pool
+            with self.s.lock:
+                link.writes["urgent"] += 1
+                self.s.counts["writes_urgent"] += 1
+        ok = await self.pipe.loop.run_in_executor(pool, self._put, link, key, slot, group)
         s = self.s
         with s.lock:
             link.inflight_bytes -= size
@@ -187,7 +247,8 @@ class WriteBehind:
             if not pool.is_ready(key) or key in link.resident or key in link.queued:
                 continue
             size = self.s.chunk_bytes(key)
-            if link.inflight_bytes and link.inflight_bytes + size > link.max_inflight:
+            if not self._fits(link, size) or (
+                    link.inflight_bytes and link.inflight_bytes + size > link.max_inflight):
                 link.failed.add(key)
                 break
             out.append(self._claim(link, key, size))
