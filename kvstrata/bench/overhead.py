@@ -52,6 +52,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "disk_off": {"disk": False},
     "raw": {"codec": "raw"},
     "normal_priority": {"background_priority": "normal"},
+    # Writes always at idle priority (the default before "auto"; docs/BENCHMARKS.md).
+    "idle_priority": {"background_priority": "idle"},
     # Write a chunk to disk only once it was offered twice (Dynamo KVBM's default).
     "admission2": {"admission": 2},
     # vLLM alone, its KV cache holding every batch of the run: the bound (see the docstring).

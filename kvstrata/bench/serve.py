@@ -22,6 +22,7 @@ from typing import Any
 
 from kvstrata.bench import report
 from kvstrata.bench.configs import CONFIGS, BaseSettings, build_setup, min_kv_cache_bytes
+from kvstrata.bench.e2e import json_object
 from kvstrata.bench.peers import PeerUnavailable
 from kvstrata.bench.workload import WorkloadError, WorkloadSpec, build_workload
 from kvstrata.config import ConfigError, parse_size
@@ -51,9 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so the users' contexts do not fit in it)")
     p.add_argument("--host-bytes", default="128MiB",
                    help="host tier of kvstrata, vLLM's CPU tier and LMCache's L1 (default 128MiB)")
-    p.add_argument("--kvstrata-options", default="{}",
-                   help="JSON object of more kvstrata options for every kvstrata configuration, "
-                        "e.g. '{\"background_priority\": \"normal\"}'")
+    p.add_argument("--kvstrata-config", type=json_object, default={}, metavar="JSON",
+                   help="options added to every kvstrata configuration, e.g. "
+                        "'{\"codec\": \"raw\"}'")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default=None, help="server --dtype (default: the model's)")
@@ -97,23 +98,6 @@ def parse_sweep(text: str) -> list[int]:
     return lengths
 
 
-def parse_kvstrata_options(text: str) -> dict[str, Any]:
-    """``--kvstrata-options``: a JSON object of options kvstrata's own parser accepts."""
-    from kvstrata.config import StrataConfig
-
-    try:
-        options = json.loads(text)
-    except ValueError as exc:
-        raise _error(f"--kvstrata-options: not JSON ({exc})") from None
-    if not isinstance(options, dict):
-        raise _error("--kvstrata-options: expected a JSON object of kvstrata options")
-    try:
-        StrataConfig.from_extra_config(options)
-    except ConfigError as exc:
-        raise _error(f"--kvstrata-options: {exc}") from None
-    return options
-
-
 def prepare_model(args: argparse.Namespace, out: Path) -> Path:
     from kvstrata.tools import models
 
@@ -143,13 +127,12 @@ def base_settings(args: argparse.Namespace, model: Path, dtype: str | None,
             kv = parse_size("--kv-cache-bytes", args.kv_cache_bytes)
     except (ConfigError, ValueError) as exc:
         raise _error(str(exc)) from None
-    options = parse_kvstrata_options(args.kvstrata_options)
     no_tokenizer = not (model / "tokenizer.json").is_file()
     return BaseSettings(
         model=str(model), kv_cache_bytes=kv, host_bytes=host, max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs, dtype=dtype, skip_tokenizer_init=no_tokenizer,
         lmcache_venv=Path(args.lmcache_venv).expanduser() if args.lmcache_venv else None,
-        kvstrata_options=options,
+        kvstrata_options=dict(args.kvstrata_config),
         # Past the trained length is fine for timing (the sweep): vLLM asks for this switch.
         extra_env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}, say=say)
 
@@ -186,6 +169,8 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
     from kvstrata.bench.server import (
         ApiServer,
         ServerError,
+        cpu_delta,
+        cpu_seconds,
         hit_tokens,
         kvstrata_figures,
         scrape,
@@ -207,6 +192,7 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
                    for i, spec in enumerate(setup.specs)]
         fig["start_s"] = round(wait_healthy(servers), 1)
         before = [scrape(s.base) for s in servers]
+        cpu_before = [cpu_seconds(s.proc.pid) for s in servers]
         progress.say(f"{name}: load")
         # The machine's load while this configuration ran: configurations run one after
         # another, and on a shared machine a ratio is only a comparison if these agree.
@@ -214,10 +200,18 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         results, wall = run_workload([s.base for s in servers], base.model, wl,
                                      done=lambda r: progress.step(), logprobs=logprobs)
         after = [scrape(s.base) for s in servers]
+        # Where each server's CPU went while it served (per process and thread name).
+        fig["cpu_s"] = [cpu_delta(b, cpu_seconds(s.proc.pid))
+                        for s, b in zip(servers, cpu_before, strict=True)]
         fig["loadavg_end"] = round(os.getloadavg()[0], 2)
         fig.update(report.summarise(results, wall))
         # Every request's TTFT, so the distribution can be drawn again from the JSON alone.
         fig["ttft_samples_s"] = [round(r.ttft_s, 4) for r in results if r.ok and r.ttft_s is not None]
+        # Every request, so configurations can be compared request by request.
+        fig["requests_detail"] = [
+            {"user": r.user, "round": r.round + 1, "server": r.server, "prompt_tokens": r.prompt_tokens,
+             "start_s": round(r.start_s, 3), "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
+             "ok": r.ok} for r in results]
         hits: dict[str, float] = {}
         for b, a in zip(before, after, strict=True):
             for k, v in hit_tokens(b, a).items():

@@ -23,7 +23,7 @@ TOP_LEVEL = ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "ttft_p99_vs_nativ
              "shutdown_tracebacks")
 PER_CONFIG = ("ttft_samples_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
               "output_tok_per_s", "errors", "hit_tokens", "ttft_mean_by_round_s", "clean_stop",
-              "tracebacks", "shutdown_tracebacks")
+              "tracebacks", "shutdown_tracebacks", "cpu_s", "requests_detail", "loadavg_start")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,9 +40,15 @@ def _parser() -> argparse.ArgumentParser:
     (["--users", "0"], "users and rounds must be >= 1"),
     (["--context-max", "9000"], "over the servers' max model length"),
     (["--host-bytes", "lots", "--tiny"], "--host-bytes"),
+    (["--kvstrata-config", '{"codec": "nope"}'], "'codec'"),
+    (["--kvstrata-config", "[1]"], "expected a JSON object"),
 ])
 def test_bad_options_name_what_is_wrong(argv, message, capsys, tmp_path) -> None:
-    assert main(["bench", "serve", "--out", str(tmp_path), "--no-progress", *argv]) == 2
+    try:
+        code = main(["bench", "serve", "--out", str(tmp_path), "--no-progress", *argv])
+    except SystemExit as exc:  # argparse's own refusal (a type check): the same exit status
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
@@ -150,7 +156,7 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
             "--users", "2", "--rounds", "1", "--context-min", "200", "--context-max", "300",
             "--system-tokens", "64", "--max-tokens", "4", "--max-model-len", "1024",
             "--arrival-rate", "5", "--configs", "vllm,kvstrata",
-            "--host-bytes", "16MiB"]
+            "--host-bytes", "16MiB", "--kvstrata-config", '{"zstd_level": 3}']
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     for key in TOP_LEVEL:
@@ -163,8 +169,13 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
             assert key in fig, (name, key)
         assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
         assert fig["tracebacks"] == 0, fig["log_problems"]
-    assert result["configs"]["kvstrata"]["stores_clean_shutdown"] is True
-    assert "kvstrata_disk" in result["configs"]["kvstrata"]["hit_tokens"]
+        assert fig["cpu_s"][0]["total"] > 0 and len(fig["requests_detail"]) == 2, fig
+    ours = result["configs"]["kvstrata"]
+    assert ours["stores_clean_shutdown"] is True
+    assert "kvstrata_disk" in ours["hit_tokens"]
+    # kvstrata's own figures, and the options --kvstrata-config added reached its server.
+    assert ours["kvstrata"]["store_jobs"] >= 1 and "allocation_failures" in ours["kvstrata"]
+    assert "'zstd_level': 3" in (out / "logs" / "kvstrata_0.log").read_text()
     for key in ("ttft_mean_vs_vllm", "throughput_vs_vllm"):
         assert isinstance(result[key], float), key
     assert json.loads((out / "serve.json").read_text())["configs"].keys() == result["configs"].keys()

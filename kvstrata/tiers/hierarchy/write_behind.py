@@ -11,13 +11,14 @@ the chunks still in the host tier whose write was dropped or failed before it dr
 
 The host tier is never held back by its own write-behind: writes in flight and deferred pin at
 most ``max_pinned_bytes`` of host slots (half the host tier by default; each tier an even share
-of it), so a store always finds slots to evict. Beyond that a "defer" tier's writes are postponed without a slot
-reference: the oldest postponed chunk still in the host tier is written whenever the budget has
-room again, and one the host tier evicts first is counted lost. Where the write threads run at
-idle priority, the write-behind uses the tier's normal-priority threads (``urgent_pool``) while
-it is behind (postponed chunks waiting, or half its pin budget used): idle threads alone get no
-CPU on an engine that keeps every core busy, and the host tier then drops what the disk never got
-(docs/BENCHMARKS.md, "Serving under load").
+of it), so a store always finds slots to evict. Beyond that a "defer" tier's writes are
+postponed without a slot reference: the oldest postponed chunk still in the host tier is written
+whenever the budget has room again, and one the host tier evicts first is counted lost. Where
+the write threads run at idle priority, the write-behind uses the tier's normal-priority threads
+(``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used):
+idle threads alone get no CPU on an engine that keeps every core busy, and the host tier then
+drops what the disk never got (docs/BENCHMARKS.md, "The write-behind held the host tier"). A
+write picks its threads when it is queued.
 """
 
 from __future__ import annotations
