@@ -132,7 +132,8 @@ class StrataConfig:
     # write-behind falls behind (chunks postponed, half its host-slot budget held); then on
     # normal-priority threads, since an engine that keeps every core busy (vLLM on CPU under
     # load) gives idle threads no CPU and the host tier would evict what the disk never got
-    # (docs/BENCHMARKS.md, "Serving under load"). "idle": always idle; "normal": never lowered.
+    # (docs/BENCHMARKS.md, "The write-behind held the host tier"). "idle": always idle;
+    # "normal": never lowered.
     background_priority: str = "auto"
     # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and
     # those dropped or failed while the host tier still holds them), so a restart finds

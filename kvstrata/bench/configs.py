@@ -46,7 +46,7 @@ class BaseSettings:
     dtype: str | None = None
     skip_tokenizer_init: bool = False
     lmcache_venv: Path | None = None
-    # More kvstrata options for every kvstrata configuration (``--kvstrata-options``).
+    # More kvstrata options for every kvstrata configuration (``--kvstrata-config``).
     kvstrata_options: dict[str, Any] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
     say: Callable[[str], None] = lambda msg: None

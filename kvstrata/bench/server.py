@@ -180,9 +180,11 @@ class ApiServer:
 
 def cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of a server's processes and threads, keyed
-    ``"<process>/<thread>"`` by their names (``VLLM::EngineCore/kvstrata-write-disk_0``); threads
-    of one name are summed. Linux ``/proc`` only; empty elsewhere. Where a configuration's
-    time goes, read as the difference of two snapshots."""
+    ``"<process>/<thread>"`` by their kernel names (``VLLM::EngineCore/VLLM::EngineCor``); threads
+    of one name are summed, and Python 3.11 threads keep their process's name, so this tells
+    processes apart (API server, engine core, workers), not kvstrata's threads (``bench
+    overhead`` profiles those from inside). Linux ``/proc`` only; empty elsewhere. Where a
+    configuration's time goes, read as the difference of two snapshots."""
     import psutil
 
     tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0

@@ -667,7 +667,7 @@ def test_writes_move_to_normal_priority_threads_while_behind(env):
     assert seen == [os.SCHED_IDLE]  # keeping up: idle priority
     watched.writes_open.clear()
     keys = [key(1 + i) for i in range(8)]
-    store(h, keys)  # one in flight, four deferred (half of 16 slots pinned), three postponed
+    store(h, keys)  # one in flight, four deferred (a quarter of the slab), three postponed
     assert h.stats()["writes_dropped"] == 3
     watched.writes_open.set()
     eventually(lambda: all(on_disk(disk, k) for k in keys), "the backlog")
