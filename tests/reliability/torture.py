@@ -99,9 +99,12 @@ def hierarchy(store: Path, slab: Path, **disk_kw: Any) -> tuple[Hierarchy, HostS
 
     host = HostSlab(slab, SHARD * len(HIER_NS), HOST_SLOTS)
     disk = DiskStore(store, budget_bytes=KILL_BUDGET, **disk_kw)
+    # The write-behind may pin the whole host tier here (an engine's pins half of it): a store
+    # then waits until a slot's chunk was written, so each chunk the killed writer announced
+    # past HOST_SLOTS proves one committed write (test_kill_mid_put).
     h = Hierarchy(
         HostPool(host), disk, namespaces=HIER_NS, group_shard_bytes=[SHARD],
-        group_dtypes=["bfloat16"],
+        group_dtypes=["bfloat16"], max_write_pinned_bytes=host.nbytes,
     )
     return h, host, disk
 

@@ -64,9 +64,9 @@ class TierLink:
     # failed: a server that did not answer in time), while they stay in the host tier: a clean
     # shutdown writes them (``WriteBehind.flush_unwritten``), so a restart still finds them.
     unwritten: set[bytes] = field(default_factory=set)
-    # Those of them whose write backpressure dropped on a "defer" tier, oldest first: written
-    # while serving once the tier's budget has room again (``WriteBehind``), unless the host
-    # tier evicts them first (counted lost).
+    # Those of them whose write backpressure dropped, oldest first: written while serving once
+    # the tier's budget has room again (``WriteBehind``), unless the host tier evicts them
+    # first (counted lost). They hold no slot, so a slow tier still never holds host memory.
     postponed: dict[bytes, None] = field(default_factory=dict)
     # Those of them whose write failed: written again once a write to this tier succeeds (the
     # server is back, the disk has room), as far as the write budget allows; a chunk whose
@@ -85,6 +85,10 @@ class TierLink:
     write_pool: ThreadPoolExecutor | None = None
     # Normal-priority write threads for when the idle ones fall behind (Pipeline), or None.
     urgent_pool: ThreadPoolExecutor | None = None
+    # Writes waiting for a thread, oldest first, each (future, key, slot, group): whichever
+    # lane's thread comes first runs the oldest (``WriteBehind``). A deque: threads pop, the
+    # loop appends, no lock needed.
+    waiting_writes: deque[tuple[Any, bytes, int, int]] = field(default_factory=deque)
 
     @property
     def name(self) -> str:

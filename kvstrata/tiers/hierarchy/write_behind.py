@@ -11,14 +11,17 @@ the chunks still in the host tier whose write was dropped or failed before it dr
 
 The host tier is never held back by its own write-behind: writes in flight and deferred pin at
 most ``max_pinned_bytes`` of host slots (half the host tier by default; each tier an even share
-of it), so a store always finds slots to evict. Beyond that a "defer" tier's writes are
-postponed without a slot reference: the oldest postponed chunk still in the host tier is written
+of it), so a store always finds slots to evict. Beyond that (or beyond a "drop" tier's write
+budget) writes are postponed without a slot reference: the oldest postponed chunk still in the host tier is written
 whenever the budget has room again, and one the host tier evicts first is counted lost. Where
 the write threads run at idle priority, the write-behind uses the tier's normal-priority threads
 (``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used):
 idle threads alone get no CPU on an engine that keeps every core busy, and the host tier then
-drops what the disk never got (docs/BENCHMARKS.md, "The write-behind held the host tier"). A
-write picks its threads when it is queued.
+drops what the disk never got (docs/BENCHMARKS.md, "The write-behind held the host tier").
+Writes wait in one queue per tier, oldest first; an idle thread takes the oldest, and a write
+queued while the write-behind is behind sends a normal-priority thread that takes every waiting
+write, those queued for the idle threads before included, instead of leaving them to wait for a
+core the engine never leaves.
 """
 
 from __future__ import annotations
@@ -98,8 +101,7 @@ class WriteBehind:
         link.writes["dropped"] += 1
         self.s.counts["writes_dropped"] += 1
         link.unwritten.add(key)
-        if link.defer:
-            link.postponed[key] = None
+        link.postponed[key] = None
         return None
 
     def _claim(self, link: TierLink, key: bytes, size: int, pinned: bool = False) -> Write:
@@ -158,7 +160,7 @@ class WriteBehind:
             link.deferred.popleft()
             link.deferred_bytes -= size
             out.append(self._claim(link, key, size, pinned=True))
-        if force:
+        if force or self.s.closed:  # a shutdown writes postponed chunks only if asked to
             return out
         pool = self.s.pool
         while link.postponed:
@@ -196,13 +198,13 @@ class WriteBehind:
             self.pipe.spawn(self._write(*item))
 
     async def _write(self, link: TierLink, key: bytes, slot: int, group: int, size: int) -> None:
-        pool = link.write_pool
+        done: asyncio.Future[bool] = self.pipe.loop.create_future()
+        link.waiting_writes.append((done, key, slot, group))
+        assert link.write_pool is not None
+        link.write_pool.submit(self._run_oldest, link, False)
         if link.urgent_pool is not None and self.behind(link):
-            pool = link.urgent_pool
-            with self.s.lock:
-                link.writes["urgent"] += 1
-                self.s.counts["writes_urgent"] += 1
-        ok = await self.pipe.loop.run_in_executor(pool, self._put, link, key, slot, group)
+            link.urgent_pool.submit(self._run_oldest, link, True)
+        ok = await done
         s = self.s
         with s.lock:
             link.inflight_bytes -= size
@@ -257,6 +259,28 @@ class WriteBehind:
             self.s.counts["writes_retried"] += 1
         return out
 
+    def _run_oldest(self, link: TierLink, urgent: bool) -> None:
+        """On a write thread: run the oldest waiting write of ``link`` (an idle thread), or every
+        waiting one (a normal-priority thread: the write-behind was behind when this was
+        queued, so it catches up, older writes queued for the idle threads included), handing
+        each outcome to the loop. A write the other lane took already is not run twice."""
+        while True:
+            try:
+                done, key, slot, group = link.waiting_writes.popleft()
+            except IndexError:
+                return
+            if urgent:
+                with self.s.lock:
+                    link.writes["urgent"] += 1
+                    self.s.counts["writes_urgent"] += 1
+            ok = self._put(link, key, slot, group)
+            try:
+                self.pipe.loop.call_soon_threadsafe(_resolve, done, ok)
+            except RuntimeError:  # the loop is closed: nobody waits for the outcome any more
+                pass
+            if not urgent:
+                return
+
     def _put(self, link: TierLink, key: bytes, slot: int, group: int) -> bool:
         dtype = self.s.group_dtypes[group]
         entries = [(ns + key, view, dtype)
@@ -285,4 +309,11 @@ class WriteBehind:
             "write_inflight_bytes": sum(link.inflight_bytes for link in links),
             "write_deferred": sum(len(link.deferred) for link in links),
             "write_deferred_bytes": sum(link.deferred_bytes for link in links),
+            # Writes started but waiting for a write thread (idle threads that get no CPU).
+            "write_waiting": sum(len(link.waiting_writes) for link in links),
         }
+
+
+def _resolve(done: asyncio.Future[bool], ok: bool) -> None:
+    if not done.done():
+        done.set_result(ok)
