@@ -117,8 +117,8 @@ def build_hierarchy(
                 codec=cfg.codec, level=cfg.zstd_level, auth=remote_auth, password=remote_password,
                 tls_ca_file=None if cfg.remote_tls_ca_file is None else str(cfg.remote_tls_ca_file))
     # (tier, admission, backpressure, write bytes in flight): the disk defers writes it cannot
-    # take yet (up to its backlog); the shared tier drops them, so a slow server never holds
-    # host slots.
+    # take yet (up to its backlog); the shared tier postpones them without a slot, so a slow
+    # server never holds host slots.
     links: list[tuple[Any, int, str, int]] = []
     if disk is not None:
         links.append((disk, cfg.admission, "defer", DEFAULT_WRITE_INFLIGHT_BYTES))

@@ -66,8 +66,8 @@ class Hierarchy:
             ``prepare_store`` of it, or a host hit on it at lookup); 1 = every stored chunk. One
             value for every tier, or one per tier.
         write_backpressure: "defer" (keep the slot, write when the tier catches up, up to
-            ``max_deferred_bytes`` per tier) or "drop"; one value for every tier, or one per
-            tier.
+            ``max_deferred_bytes`` per tier) or "drop" (hold no slot: the write is postponed,
+            ``write_behind``); one value for every tier, or one per tier.
         max_write_inflight_bytes: bytes of writes in flight per tier before backpressure (one
             value, or one per tier).
         max_write_pinned_bytes: host bytes the write-behind may hold (writes in flight and

@@ -50,7 +50,8 @@ class TierLink:
     tier: LowerTier
     position: int  # 0 = the first tier below the host tier
     admit_after: int  # offers (stores, host hits) before a chunk is written to this tier
-    # Backpressure: beyond max_inflight bytes of writes, defer (keep the slot) or drop.
+    # Backpressure: beyond max_inflight bytes of writes, defer (keep the slot) or, with
+    # defer False, postpone at once (hold no slot; ``postponed`` below).
     defer: bool = True
     max_inflight: int = DEFAULT_WRITE_INFLIGHT_BYTES
     resident: set[bytes] = field(default_factory=set)  # host chunks known to be in this tier
