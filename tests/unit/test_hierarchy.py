@@ -653,8 +653,9 @@ def test_postponed_writes_resume_oldest_first_when_the_disk_catches_up(env):
 def test_writes_move_to_normal_priority_threads_while_behind(env):
     """With idle write threads that get no CPU (an engine keeping every core busy, simulated by
     holding every write that runs on an idle thread), the write-behind falls behind and its
-    normal-priority threads take the oldest waiting writes, also one queued for the idle
-    threads before it fell behind; once caught up, writes go back to the idle threads."""
+    normal-priority threads run one write per write queued while behind, the oldest waiting
+    first (one queued for the idle threads before it fell behind included); once caught up,
+    writes go back to the idle threads."""
     import os
 
     from kvstrata.tiers.priority import thread_policy
@@ -683,14 +684,14 @@ def test_writes_move_to_normal_priority_threads_while_behind(env):
     eventually(lambda: len(seen) == 2, "the idle thread to take key 1")
     store(h, [key(2)])  # 2 of 8 pinned: not behind yet, so queued for the idle threads only
     eventually(lambda: h.stats()["write_waiting"] == 1, "key 2 to wait for an idle thread")
-    store(h, [key(3 + i) for i in range(6)])  # 8 of 8 pinned: behind
-    later = [key(2 + i) for i in range(7)]
-    eventually(lambda: all(on_disk(disk, k) for k in later), "the normal-priority threads")
-    assert not on_disk(disk, key(1))  # still waiting for a core
-    assert {k: p for k, p in seen[2:]} == dict.fromkeys(later, os.SCHED_OTHER)
-    assert h.stats()["writes_urgent"] == 7
+    store(h, [key(3 + i) for i in range(6)])  # 8 of 8 pinned: behind, six writes queued
+    urgent = [key(2 + i) for i in range(6)]  # the six oldest waiting: key 2 first
+    eventually(lambda: all(on_disk(disk, k) for k in urgent), "the normal-priority threads")
+    assert not on_disk(disk, key(1)) and not on_disk(disk, key(8))  # waiting for a core
+    assert {k: p for k, p in seen[2:]} == dict.fromkeys(urgent, os.SCHED_OTHER)
+    assert h.stats()["writes_urgent"] == 6 and h.stats()["write_waiting"] == 1
     released.set()
-    eventually(lambda: on_disk(disk, key(1)), "the starved write")
+    eventually(lambda: on_disk(disk, key(1)) and on_disk(disk, key(8)), "the starved writes")
     starved.clear()
     store(h, [key(50)])
     eventually(lambda: on_disk(disk, key(50)), "a write once caught up")

@@ -18,10 +18,12 @@ the write threads run at idle priority, the write-behind uses the tier's normal-
 (``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used):
 idle threads alone get no CPU on an engine that keeps every core busy, and the host tier then
 drops what the disk never got (docs/BENCHMARKS.md, "The write-behind held the host tier").
-Writes wait in one queue per tier, oldest first; an idle thread takes the oldest, and a write
-queued while the write-behind is behind sends a normal-priority thread that takes every waiting
-write, those queued for the idle threads before included, instead of leaving them to wait for a
-core the engine never leaves.
+Writes wait in one queue per tier, oldest first, and a thread takes the oldest: each write
+queued sends one idle thread, and one normal-priority thread too while the write-behind is
+behind, so the normal-priority threads run as many writes as were queued while behind (running
+more costs a CPU-bound engine its cores: 1.24x its time on a workload without reuse when they
+emptied the queue, docs/BENCHMARKS.md), oldest first, those queued for idle threads before it
+fell behind included.
 """
 
 from __future__ import annotations
@@ -260,26 +262,23 @@ class WriteBehind:
         return out
 
     def _run_oldest(self, link: TierLink, urgent: bool) -> None:
-        """On a write thread: run the oldest waiting write of ``link`` (an idle thread), or every
-        waiting one (a normal-priority thread: the write-behind was behind when this was
-        queued, so it catches up, older writes queued for the idle threads included), handing
-        each outcome to the loop. A write the other lane took already is not run twice."""
-        while True:
-            try:
-                done, key, slot, group = link.waiting_writes.popleft()
-            except IndexError:
-                return
-            if urgent:
-                with self.s.lock:
-                    link.writes["urgent"] += 1
-                    self.s.counts["writes_urgent"] += 1
-            ok = self._put(link, key, slot, group)
-            try:
-                self.pipe.loop.call_soon_threadsafe(_resolve, done, ok)
-            except RuntimeError:  # the loop is closed: nobody waits for the outcome any more
-                pass
-            if not urgent:
-                return
+        """On a write thread: run the oldest waiting write of ``link``, unless the other lane
+        took it already (every write sends one task to the idle threads, and one to the
+        normal-priority threads if the tier is behind: whichever comes first runs the oldest),
+        and hand its outcome to the loop."""
+        try:
+            done, key, slot, group = link.waiting_writes.popleft()
+        except IndexError:
+            return
+        if urgent:
+            with self.s.lock:
+                link.writes["urgent"] += 1
+                self.s.counts["writes_urgent"] += 1
+        ok = self._put(link, key, slot, group)
+        try:
+            self.pipe.loop.call_soon_threadsafe(_resolve, done, ok)
+        except RuntimeError:  # the loop is closed: nobody waits for the outcome any more
+            pass
 
     def _put(self, link: TierLink, key: bytes, slot: int, group: int) -> bool:
         dtype = self.s.group_dtypes[group]
