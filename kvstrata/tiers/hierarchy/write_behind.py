@@ -69,6 +69,12 @@ class WriteBehind:
         pinned = link.inflight_bytes + link.deferred_bytes
         return pinned == 0 or pinned + size <= self.link_budget()
 
+    def _can_start(self, link: TierLink, size: int) -> bool:
+        """Whether a write of ``size`` bytes may start now: within the pin budget and the
+        tier's own write budget (one write always may, however large)."""
+        return self._fits(link, size) and (
+            link.inflight_bytes == 0 or link.inflight_bytes + size <= link.max_inflight)
+
     def behind(self, link: TierLink) -> bool:
         """Whether the writes of ``link`` fall behind: chunks postponed, or half its pin budget
         used. Read without the lock (a hint for which threads run the next write)."""
@@ -89,10 +95,9 @@ class WriteBehind:
         if self.s.closed or key in link.resident or key in link.queued:
             return None
         size = self.s.chunk_bytes(key)
-        room = self._fits(link, size)
-        if room and (link.inflight_bytes == 0 or link.inflight_bytes + size <= link.max_inflight):
+        if self._can_start(link, size):
             return self._claim(link, key, size)
-        if room and link.defer and link.deferred_bytes + size <= self.max_deferred:
+        if self._fits(link, size) and link.defer and link.deferred_bytes + size <= self.max_deferred:
             self.s.pool.acquire(key)  # the slot must survive until the write runs
             link.queued.add(key)
             link.deferred.append(key)
@@ -171,8 +176,7 @@ class WriteBehind:
                 del link.postponed[key]
                 continue
             size = self.s.chunk_bytes(key)
-            if not self._fits(link, size) or (
-                    link.inflight_bytes and link.inflight_bytes + size > link.max_inflight):
+            if not self._can_start(link, size):
                 break
             out.append(self._claim(link, key, size))
             link.writes["resumed"] += 1
@@ -252,8 +256,7 @@ class WriteBehind:
             if not pool.is_ready(key) or key in link.resident or key in link.queued:
                 continue
             size = self.s.chunk_bytes(key)
-            if not self._fits(link, size) or (
-                    link.inflight_bytes and link.inflight_bytes + size > link.max_inflight):
+            if not self._can_start(link, size):
                 link.failed.add(key)
                 break
             out.append(self._claim(link, key, size))
