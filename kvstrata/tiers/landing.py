@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstrata.tiers.host import board_fence
+from kvstrata.tiers.priority import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class LandingWaiter:
     # ---- the watching thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread()
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:

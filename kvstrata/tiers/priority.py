@@ -3,6 +3,10 @@
 engine (the model on CPU, the scheduler, tokenizer and sampler on GPU servers) leaves them idle.
 Reads keep normal priority: a request waits on them.
 
+Each background thread also carries its name into the kernel (``name_this_thread``), so `top -H`,
+`ps -L` and the benchmarks' per-thread CPU figures tell kvstrata's threads apart from the engine's
+(Python 3.11 leaves every thread with the process's name).
+
 Linux schedules threads, not processes: ``sched_setscheduler(0, SCHED_IDLE)`` from a thread
 changes that thread alone. Elsewhere (or where it is refused) the thread's nice value is raised
 instead, and where that fails too it runs as it was: lowering priority is best effort.
@@ -10,13 +14,55 @@ instead, and where that fails too it runs as it was: lowering priority is best e
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
+import re
+import sys
 import threading
 
 logger = logging.getLogger(__name__)
 
 _logged = threading.Event()
+
+# Linux keeps 15 bytes of a thread's name (TASK_COMM_LEN 16 with the NUL).
+_COMM_LEN = 15
+_PR_SET_NAME = 15
+_libc: ctypes.CDLL | None = None
+
+
+def kernel_thread_name(name: str) -> str:
+    """The name the kernel shows for a thread called ``name``: "kvstrata-" shortened to "kvs-",
+    and a thread pool's ``_N`` suffix dropped where the name would not fit otherwise, so the
+    part that tells threads apart survives the 15-byte limit."""
+    if name.startswith("kvstrata-"):
+        name = "kvs-" + name[len("kvstrata-"):]
+    if len(name.encode()) > _COMM_LEN:
+        name = re.sub(r"_\d+$", "", name)
+    return name.encode()[:_COMM_LEN].decode(errors="ignore")
+
+
+def name_this_thread(name: str | None = None) -> None:
+    """Give the calling thread's kernel name ``name`` (default: its Python name); best effort,
+    Linux only."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        comm = kernel_thread_name(name or threading.current_thread().name)
+        _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(comm.encode()), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def background_thread(idle: bool) -> None:
+    """Thread-pool initializer: name the thread, and give it idle priority if ``idle``."""
+    name_this_thread()
+    if idle:
+        lower_this_thread()
 
 
 def lower_this_thread() -> str:

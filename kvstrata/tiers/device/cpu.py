@@ -19,6 +19,7 @@ import torch
 from kvstrata.tiers.device.base import DeviceStager, Direction, StagerGeometry
 from kvstrata.tiers.device.layout import Transfer, block_runs
 from kvstrata.tiers.host import HostSlab
+from kvstrata.tiers.priority import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class CpuStager(DeviceStager):
         self._np_rows = [[layer.rows.numpy() for layer in layers] for layers in self._layers]
         threads = min(4, os.cpu_count() or 1) if copy_threads is None else copy_threads
         self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-copy") if threads > 1 else None
+            ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-copy", initializer=name_this_thread)
+            if threads > 1 else None
         )
 
     def load_now(self, t: Transfer) -> None:

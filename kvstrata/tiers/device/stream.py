@@ -35,6 +35,7 @@ from kvstrata.tiers.device.accel import CopyDevice, TorchCopyDevice
 from kvstrata.tiers.device.base import DeviceStager, Direction, StagerGeometry
 from kvstrata.tiers.device.layout import LayerPages, Transfer, block_runs
 from kvstrata.tiers.host import HostSlab
+from kvstrata.tiers.priority import name_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,8 @@ class StreamStager(DeviceStager):
                 "engine thread never waits for them"
             )
             self._threads = {
-                d: ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-{d}") for d in ("store", "load")
+                d: ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-{d}", initializer=name_this_thread)
+                for d in ("store", "load")
             }
         self._plans = [
             [_LayerPlan(lp.rows.data_ptr(), lp.rows.stride(0), *page_fragments(lp)) for lp in layers]

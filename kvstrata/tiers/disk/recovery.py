@@ -17,6 +17,7 @@ import lmdb
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreUnavailableError
 from kvstrata.tiers.disk.writer import Counters, Writer
+from kvstrata.tiers.priority import name_this_thread
 
 if TYPE_CHECKING:
     from kvstrata.auth import ValueAuth
@@ -71,6 +72,7 @@ class Recovery:
         self._thread.join()
 
     def _run(self) -> None:
+        name_this_thread()
         env, h, writer = self.writer.env, self.writer.h, self.writer
         try:
             checked = dropped = 0

@@ -27,7 +27,7 @@ import msgspec
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
-from kvstrata.tiers.priority import lower_this_thread
+from kvstrata.tiers.priority import lower_this_thread, name_this_thread
 from kvstrata.tiers.retention import select_victims
 
 log = logging.getLogger(__name__)
@@ -480,6 +480,10 @@ def _run_call(job: _CallJob) -> None:
 
 
 def _spawn(target: Callable[[], None], name: str) -> threading.Thread:
-    thread = threading.Thread(target=target, name=f"kvstrata-disk-{name}", daemon=True)
+    def run() -> None:
+        name_this_thread()
+        target()
+
+    thread = threading.Thread(target=run, name=f"kvstrata-disk-{name}", daemon=True)
     thread.start()
     return thread

@@ -21,6 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvstrata.remote_address import RemoteAddress
+from kvstrata.tiers.priority import name_this_thread
 
 T = TypeVar("T")
 
@@ -108,6 +109,7 @@ class RemoteLoop:
         self._thread.start()
 
     def _run(self) -> None:
+        name_this_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
