@@ -178,13 +178,16 @@ class ApiServer:
         return self.stop_s
 
 
+_POOL_SUFFIX = re.compile(r"_\d+$")
+
+
 def cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of a server's processes and threads, keyed
     ``"<process>/<thread>"`` by their kernel names (``VLLM::EngineCore/VLLM::EngineCor``); threads
-    of one name are summed, and Python 3.11 threads keep their process's name, so this tells
-    processes apart (API server, engine core, workers), not kvstrata's threads (``bench
-    overhead`` profiles those from inside). Linux ``/proc`` only; empty elsewhere. Where a
-    configuration's time goes, read as the difference of two snapshots."""
+    of one name are summed (a pool's ``_N`` suffix dropped). kvstrata names its threads in the
+    kernel (``kvs-write-disk``, ``kvs-read-disk``, ``kvs-disk-writer``, ...; tiers/priority.py);
+    other Python threads keep their process's name. Linux ``/proc`` only; empty elsewhere.
+    Where a configuration's time goes, read as the difference of two snapshots."""
     import psutil
 
     tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
@@ -201,7 +204,7 @@ def cpu_seconds(pid: int) -> dict[str, float]:
                 comm = (task / "comm").read_text().strip()
                 # Fields after the command's closing parenthesis: utime and stime are 14th/15th.
                 fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                key = f"{pname}/{comm}"
+                key = f"{pname}/{_POOL_SUFFIX.sub('', comm)}"
                 out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         except (psutil.Error, OSError, IndexError, ValueError):
             continue
@@ -297,6 +300,8 @@ KVSTRATA_SERIES = {
     "load_jobs": "vllm:kvstrata_load_jobs_total",
     "disk_admission_drops": "vllm:kvstrata_disk_admission_drops",
     "writes_behind": "vllm:kvstrata_writes_behind",
+    "writes_urgent": "vllm:kvstrata_disk_writes_urgent",
+    "write_reuse": "vllm:kvstrata_disk_write_reuse",
     "promotions": "vllm:kvstrata_promotions",
     "disk_entries": "vllm:kvstrata_disk_entries",
 }

@@ -388,6 +388,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
                 disk_errors=int(d.get("sync_errors", 0)) + int(d.get("writes_failed", 0)),
                 disk_corrupt=int(d.get("corrupt", 0)) + int(h.get("promotions_failed", 0)),
                 disk_forged=int(d.get("forged", 0)),
+                disk_writes_urgent=int(d.get("writes_urgent", 0)),
+                disk_write_reuse=float(d.get("write_reuse", 0.0)),
             )
         return out
 

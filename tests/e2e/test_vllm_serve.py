@@ -233,7 +233,7 @@ def test_two_api_servers_share_a_redis_tier(tmp_path: Path, redis_server: RedisS
                          if re.search(r"hit_tokens|remote|disk_raw|disk_entries|host_bytes", k)})
             for series in ("hit_tokens_host_total", "hit_tokens_disk_total", "hit_tokens_remote_total",
                            "remote_read_bytes", "remote_written_bytes", "disk_raw_bytes", "host_bytes",
-                           "remote_unavailable_skips"):
+                           "remote_unavailable_skips", "disk_writes_urgent", "disk_write_reuse"):
                 assert f"vllm:kvstrata_{series}" in m, (name, series)
             assert m["vllm:kvstrata_disk_raw_bytes"] > 0, (name, m)
         assert seen["a"]["vllm:kvstrata_remote_written_bytes"] > 0, seen["a"]

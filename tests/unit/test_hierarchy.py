@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -650,12 +651,14 @@ def test_postponed_writes_resume_oldest_first_when_the_disk_catches_up(env):
     assert h.stats()["writes_flushed"] == 0
 
 
-def test_writes_move_to_normal_priority_threads_while_behind(env):
+def test_writes_move_to_normal_priority_threads_while_behind_and_read_back(env):
     """With idle write threads that get no CPU (an engine keeping every core busy, simulated by
-    holding every write that runs on an idle thread), the write-behind falls behind and its
+    holding every write that runs on an idle thread), the write-behind falls behind. While
+    nothing it wrote is read back, its writes wait for the idle threads (catching up would only
+    cost the engine its cores). Once requests come back for what the disk holds, its
     normal-priority threads run one write per write queued while behind, the oldest waiting
-    first (one queued for the idle threads before it fell behind included); once caught up,
-    writes go back to the idle threads."""
+    first (those queued for the idle threads before included); once caught up, writes go back
+    to the idle threads."""
     import os
 
     from kvstrata.tiers.priority import thread_policy
@@ -665,38 +668,79 @@ def test_writes_move_to_normal_priority_threads_while_behind(env):
     starved = threading.Event()  # set: an idle thread gets no CPU until released
     released = threading.Event()
     seen: list[tuple[bytes, int | None]] = []
+    comms: set[str] = set()  # the writing threads' kernel names
 
     class Watched(GatedDisk):
         def put_many(self, entries):
             policy = thread_policy()
             seen.append((entries[0][0][len(NS[0]):], policy))
+            comms.add(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
             if policy == os.SCHED_IDLE and starved.is_set():
                 assert released.wait(DEADLINE_S)
             return super().put_many(entries)
 
     disk = env.disk()
-    h = env.hier(Watched(disk), slots=16, idle_writes=True, urgent_writes=True)  # pins <= 8
-    store(h, [key(0)])
-    eventually(lambda: on_disk(disk, key(0)), "the first write")
-    assert seen == [(key(0), os.SCHED_IDLE)]  # keeping up: idle priority
+    # Pins <= 16 slots. Reuse evidence fades over 4 chunks, so the four first writes are the
+    # meter's warm-up (assumed read back) and the rest must earn the catch-up.
+    h = env.hier(Watched(disk), slots=32, idle_writes=True, urgent_writes=True,
+                 write_reuse_half_life_bytes=4 * CHUNK_BYTES)
+
+    def reuse() -> float:
+        return h.stats()["tiers"]["disk"]["write_reuse"]
+
+    early = [key(40 + i) for i in range(4)]
+    store(h, early)
+    eventually(lambda: all(on_disk(disk, k) for k in early), "the first writes")
+    assert seen == [(k, os.SCHED_IDLE) for k in early]  # keeping up: idle priority
     starved.set()
     store(h, [key(1)])  # taken by the one idle thread, which then gets no CPU
-    eventually(lambda: len(seen) == 2, "the idle thread to take key 1")
-    store(h, [key(2)])  # 2 of 8 pinned: not behind yet, so queued for the idle threads only
-    eventually(lambda: h.stats()["write_waiting"] == 1, "key 2 to wait for an idle thread")
-    store(h, [key(3 + i) for i in range(6)])  # 8 of 8 pinned: behind, six writes queued
-    urgent = [key(2 + i) for i in range(6)]  # the six oldest waiting: key 2 first
+    eventually(lambda: len(seen) == 5, "the idle thread to take key 1")
+    store(h, [key(2 + i) for i in range(8)])  # 9 of 16 pinned: behind
+    # ... but nothing written was read back: every write waits for the idle thread.
+    eventually(lambda: h.stats()["write_waiting"] == 8, "keys 2-9 to wait for an idle thread")
+    assert h.stats()["writes_urgent"] == 0 and len(seen) == 5 and reuse() == 0.0
+    # Requests come back for what the disk holds: the host tier dropped them (a reset here),
+    # their lookups promote them from the disk.
+    h.reset()
+    assert h.lookup_many(early) == [PENDING] * 4
+    assert reuse() >= 0.1  # 4 chunks read back of 13 written (the later ones weigh most)
+    store(h, [key(10 + i) for i in range(6)])  # behind and read back: six writes catch up
+    urgent = [key(2 + i) for i in range(6)]  # the six oldest waiting: keys 2-7
     eventually(lambda: all(on_disk(disk, k) for k in urgent), "the normal-priority threads")
     assert not on_disk(disk, key(1)) and not on_disk(disk, key(8))  # waiting for a core
-    assert {k: p for k, p in seen[2:]} == dict.fromkeys(urgent, os.SCHED_OTHER)
-    assert h.stats()["writes_urgent"] == 6 and h.stats()["write_waiting"] == 1
+    assert {k: p for k, p in seen[5:]} == dict.fromkeys(urgent, os.SCHED_OTHER)
+    assert h.stats()["writes_urgent"] == 6 and h.stats()["write_waiting"] == 8
+    assert comms == {"kvs-write-disk", "kvs-urgent-disk"}  # told apart in top -H, bench cpu_s
     released.set()
-    eventually(lambda: on_disk(disk, key(1)) and on_disk(disk, key(8)), "the starved writes")
+    eventually(lambda: all(on_disk(disk, key(i)) for i in range(1, 16)), "the starved writes")
     starved.clear()
     store(h, [key(50)])
     eventually(lambda: on_disk(disk, key(50)), "a write once caught up")
     assert seen[-1] == (key(50), os.SCHED_IDLE)
     h.close()
+
+
+def test_lookups_of_chunks_lost_before_their_write_count_as_read_back(env):
+    """A chunk the host tier evicted before its write was lost to the disk; a request asking
+    for it shows the write would have served, so it counts as read back (once)."""
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    gated.writes_open.clear()
+    h = env.hier(gated, slots=6, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES)
+    keys = [key(i) for i in range(4)]
+    store(h, keys)  # keys[0] in flight (the disk hangs), the rest postponed
+    store(h, [key(10 + i) for i in range(4)])  # 8 chunks in 6 slots: keys[1], keys[2] lost
+    assert h.stats()["writes_lost"] == 2
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == 0.0
+    assert h.lookup_many([key(77)]) == [MISS]  # never stored: no evidence
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == 0.0
+    assert h.lookup_many(keys[1:3]) == [MISS, MISS]
+    read_back = h.stats()["tiers"]["disk"]["write_reuse"]
+    assert read_back >= 2 / 8  # 2 of 8 chunks (those admitted earlier weigh less: decay)
+    assert h.lookup_many(keys[1:3]) == [MISS, MISS]  # asked again: counted once
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == read_back
+    gated.writes_open.set()
+    h.close(flush_unwritten=False)
 
 
 def test_close_drains_write_behind(env):

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy.background import Background
 from kvstrata.tiers.hierarchy.promoter import Promoter
+from kvstrata.tiers.hierarchy.reuse import ReuseMeter
 from kvstrata.tiers.hierarchy.shared import (
     DEFAULT_WRITE_INFLIGHT_BYTES,
     TIER_HOST,
@@ -75,7 +76,9 @@ class Hierarchy:
             slot (``write_behind``). Default: half the host tier.
         idle_writes: write-behind threads run at idle CPU priority (``tiers.priority``).
         urgent_writes: with ``idle_writes``, writes run on normal-priority threads while the
-            write-behind is behind (``write_behind``).
+            write-behind is behind and its writes are read back (``write_behind``, ``reuse``).
+        write_reuse_half_life_bytes: how fast that evidence fades (and how long a fresh tier
+            is assumed to be read back); default twice the host tier.
         retry_failed_after_s: a chunk whose promotion failed is a miss for this long (unless
             stored again), then its tiers are asked again (``shared.FailedPromotions``).
         clock: monotonic seconds for ``retry_failed_after_s`` (``time.monotonic``; tests pass
@@ -103,6 +106,7 @@ class Hierarchy:
         events: bool = False,
         idle_writes: bool = True,
         urgent_writes: bool = False,
+        write_reuse_half_life_bytes: int | None = None,
         retry_failed_after_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -120,6 +124,8 @@ class Hierarchy:
             group_dtypes=group_dtypes, shard_bytes=shard_bytes, events=events,
             offer_tracker_size=offer_tracker_size, retry_failed_after_s=retry_failed_after_s,
             clock=clock)
+        for link in links:
+            link.reuse = ReuseMeter(write_reuse_half_life_bytes or max(1, 2 * s.slab.nbytes))
         self.pool = host_pool
         self.slab = s.slab
         self.namespaces = s.namespaces
@@ -309,7 +315,8 @@ class Hierarchy:
             out: dict[str, Any] = dict(s.counts)
             out.update(self._writes.stats(), promotions_inflight=len(s.promoting),
                        stores_inflight=len(s.storing), host=self.pool.stats())
-            writes = {link.name: {f"writes_{k}": v for k, v in link.writes.items()} for link in s.links}
+            writes = {link.name: {**{f"writes_{k}": v for k, v in link.writes.items()},
+                                  "write_reuse": round(link.reuse.ratio, 3)} for link in s.links}
         tiers: dict[str, Any] = {}
         for link in s.links:  # outside the lock: a tier's statistics may read its store
             try:
@@ -405,6 +412,13 @@ class Hierarchy:
         if not candidates:
             return states
         source = self._find(keys, candidates, prefix)
+        if count_offers:  # a request's lookup: is what the tiers got written read back?
+            with s.lock:
+                for link in links:
+                    found = [keys[i] for i, src in source.items() if src is link]
+                    if found:
+                        link.reuse.read_back(sum(map(s.chunk_bytes, found)))
+                    link.reuse.asked_for([keys[i] for i in candidates if i not in source])
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect)
         return states
 

@@ -15,11 +15,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from kvstrata.tiers.hierarchy.reuse import ReuseMeter
 from kvstrata.tiers.host import HostPool
 from kvstrata.tiers.lower import LowerTier
-from kvstrata.tiers.priority import lower_this_thread
+from kvstrata.tiers.priority import background_thread, name_this_thread
 
 TIER_HOST = "host"
 DEFAULT_WRITE_INFLIGHT_BYTES = 128 << 20  # per lower tier, before its backpressure applies
@@ -90,6 +92,9 @@ class TierLink:
     # lane's thread comes first runs the oldest (``WriteBehind``). A deque: threads pop, the
     # loop appends, no lock needed.
     waiting_writes: deque[tuple[Any, bytes, int, int]] = field(default_factory=deque)
+    # Whether this tier's writes are read back: decides if the urgent threads may run them
+    # (``reuse``; the hierarchy sizes its half-life by the host tier).
+    reuse: ReuseMeter = field(default_factory=lambda: ReuseMeter(1 << 30))
 
     @property
     def name(self) -> str:
@@ -278,14 +283,15 @@ class Pipeline:
         # Writes yield to serving (tiers/priority.py); reads keep normal priority: a request
         # waits on them. With ``urgent_writes`` each tier also gets write threads at normal
         # priority, which the write-behind uses while the idle ones are behind.
-        init = lower_this_thread if idle_writes else None
         for link in self.links:
-            link.read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvstrata-read-{link.name}")
+            link.read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvstrata-read-{link.name}",
+                                                initializer=name_this_thread)
             link.write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix=f"kvstrata-write-{link.name}",
-                                                 initializer=init)
+                                                 initializer=partial(background_thread, idle_writes))
             if urgent_writes and idle_writes:
                 link.urgent_pool = ThreadPoolExecutor(
-                    write_threads, thread_name_prefix=f"kvstrata-write-urgent-{link.name}")
+                    write_threads, thread_name_prefix=f"kvstrata-urgent-{link.name}",
+                    initializer=name_this_thread)
         self.loop = asyncio.new_event_loop()
         self.read_sem = asyncio.Semaphore(max_concurrent_reads)
         self.max_concurrent_reads = max_concurrent_reads
@@ -296,6 +302,7 @@ class Pipeline:
         self.thread.start()
 
     def run(self) -> None:
+        name_this_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 

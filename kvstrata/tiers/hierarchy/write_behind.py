@@ -15,9 +15,11 @@ of it), so a store always finds slots to evict. Beyond that (or beyond a "drop" 
 budget) writes are postponed without a slot reference: the oldest postponed chunk still in the host tier is written
 whenever the budget has room again, and one the host tier evicts first is counted lost. Where
 the write threads run at idle priority, the write-behind uses the tier's normal-priority threads
-(``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used):
-idle threads alone get no CPU on an engine that keeps every core busy, and the host tier then
-drops what the disk never got (docs/BENCHMARKS.md, "The write-behind held the host tier").
+(``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used)
+and the tier's writes are read back (``reuse``): idle threads alone get no CPU on an engine
+that keeps every core busy, and the host tier then drops what the disk never got
+(docs/BENCHMARKS.md, "The write-behind held the host tier"); but on a workload that never
+comes back for what it stored, catching up only costs the engine its cores.
 Writes wait in one queue per tier, oldest first, and a thread takes the oldest: each write
 queued sends one idle thread, and one normal-priority thread too while the write-behind is
 behind, so the normal-priority threads run as many writes as were queued while behind (running
@@ -80,6 +82,12 @@ class WriteBehind:
         used. Read without the lock (a hint for which threads run the next write)."""
         return bool(link.postponed) or 2 * (link.inflight_bytes + link.deferred_bytes) >= self.link_budget()
 
+    def catch_up(self, link: TierLink) -> bool:
+        """Whether the next write of ``link`` also goes to its normal-priority threads: it is
+        behind, and its writes are read back (``reuse``: catching up costs a CPU-bound engine
+        its cores, worth it only when the writes serve). A hint, read without the lock."""
+        return link.urgent_pool is not None and self.behind(link) and link.reuse.paying()
+
     # ---- under the lock ------------------------------------------------------------------------
 
     def admitted(self, key: bytes, offers: int, links: Sequence[TierLink] | None = None) -> list[Write]:
@@ -95,6 +103,7 @@ class WriteBehind:
         if self.s.closed or key in link.resident or key in link.queued:
             return None
         size = self.s.chunk_bytes(key)
+        link.reuse.admitted(size)
         if self._can_start(link, size):
             return self._claim(link, key, size)
         if self._fits(link, size) and link.defer and link.deferred_bytes + size <= self.max_deferred:
@@ -189,6 +198,7 @@ class WriteBehind:
             if link.postponed.pop(key, 0) is None:
                 link.writes["lost"] += 1
                 self.s.counts["writes_lost"] += 1
+                link.reuse.lost(key, self.s.chunk_bytes(key))
 
     def forget(self, link: TierLink, keys: Sequence[bytes]) -> None:
         """The tier removed these chunks: a resident one is written again when admitted next
@@ -208,7 +218,8 @@ class WriteBehind:
         link.waiting_writes.append((done, key, slot, group))
         assert link.write_pool is not None
         link.write_pool.submit(self._run_oldest, link, False)
-        if link.urgent_pool is not None and self.behind(link):
+        if self.catch_up(link):
+            assert link.urgent_pool is not None
             link.urgent_pool.submit(self._run_oldest, link, True)
         ok = await done
         s = self.s
