@@ -720,6 +720,22 @@ def test_writes_move_to_normal_priority_threads_while_behind_and_read_back(env):
     h.close()
 
 
+def test_host_hits_on_chunks_the_disk_holds_count_as_read_back(env):
+    """A request coming back for chunks the host tier still holds, and the disk too, shows the
+    workload reuses what it stores: once the host tier evicts them, the disk serves them."""
+    disk = env.disk()
+    h = env.hier(disk, slots=8)
+    keys = [key(i) for i in range(4)]
+    store(h, keys)
+    eventually(lambda: all(on_disk(disk, k) for k in keys), "the writes")
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == 0.0
+    h.promote(keys[:2])  # the warm start's and tools' promotions are no request: no evidence
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == 0.0
+    assert h.lookup_many(keys[:2]) == [HIT, HIT]
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == pytest.approx(0.5, abs=0.05)
+    h.close()
+
+
 def test_lookups_of_chunks_lost_before_their_write_count_as_read_back(env):
     """A chunk the host tier evicted before its write was lost to the disk; a request asking
     for it shows the write would have served, so it counts as read back (once)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.tiers.hierarchy.reuse import MIN_REUSE, ReuseMeter
+from kvstrata.tiers.hierarchy.reuse import MIN_REUSE, WARM_UP_BYTES, ReuseMeter
 
 MB = 1 << 20
 
@@ -17,6 +17,14 @@ def test_a_fresh_tier_is_assumed_read_back_until_its_warm_up_is_over() -> None:
     assert m.paying()  # 8 MB of the 10 MB warm-up
     m.admitted(2 * MB)
     assert not m.paying()  # past it, with nothing read back
+
+
+def test_the_warm_up_is_bounded_however_large_the_host_tier() -> None:
+    m = ReuseMeter(64 << 30)  # a 32 GiB host tier: evidence fades over 64 GiB written
+    m.admitted(WARM_UP_BYTES - 1)
+    assert m.paying()
+    m.admitted(1)
+    assert not m.paying()  # a workload without reuse pays at most WARM_UP_BYTES per process
 
 
 def test_a_workload_without_reuse_never_pays() -> None:

@@ -406,6 +406,10 @@ class Hierarchy:
                           if links else [])
             if not candidates:
                 self._count(states, streamed)
+            if count_offers:  # a request came back for chunks the tiers hold
+                for link, ks in zip(links, used, strict=True):
+                    if ks:
+                        link.reuse.read_back(sum(map(s.chunk_bytes, ks)))
         for link, ks in zip(links, used, strict=True):
             if ks:
                 link.tier.touch_many([ns + k for k in ks for ns in self.namespaces])

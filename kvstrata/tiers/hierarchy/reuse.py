@@ -9,18 +9,20 @@ second rounds recomputed when writes got no CPU). So the write-behind pays for c
 while the tier's writes are read back.
 
 Evidence, per tier, counted in bytes: chunks a request's lookup found in the tier (a promotion
-starts), and chunks a lookup asked for that the write-behind had admitted to the tier but lost
-(the host tier evicted them before their write: they would have been served). Against it, the
+starts), chunks it found in the host tier that the tier holds too (the workload comes back;
+once the host tier evicts them, the tier serves them), and chunks a lookup asked for that the
+write-behind had admitted to the tier but lost (the host tier evicted them before their write:
+they would have been served). Against it, the
 bytes admitted for writing. Both decay by half every ``half_life_bytes`` admitted, so a workload
 that stops reusing turns the catching-up off again, and one that starts turns it on within a
 few requests. A tier that has had nothing admitted yet but serves (a restarted store) counts as
 read back.
 
-Until a tier has been given one half-life of writes, the evidence cannot have come yet (a
-session's second round arrives after its first was stored): the meter assumes reuse meanwhile,
-the common case for a KV cache, so a fresh server under load does not lose the first sessions'
-chunks waiting for proof. A workload without reuse pays that once per process (at most
-``half_life_bytes`` written on normal-priority threads).
+Until a tier has been given ``warm_up_bytes`` of writes (the half-life, at most WARM_UP_BYTES),
+the evidence cannot have come yet (a session's second round arrives after its first was
+stored): the meter assumes reuse meanwhile, the common case for a KV cache, so a fresh server
+under load does not lose the first sessions' chunks waiting for proof. A workload without
+reuse pays that once per process.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from collections import OrderedDict
 # workload without reuse reads back ~0 (a few duplicate prompts); multi-round sessions and
 # shared prefixes read back a large part of what they store (0.4-1).
 MIN_REUSE = 0.1
+# The most a fresh tier writes on the assumption of reuse: about a CPU-second of compression
+# and puts here (docs/BENCHMARKS.md), once per process.
+WARM_UP_BYTES = 256 << 20
 
 
 class ReuseMeter:
@@ -44,6 +49,7 @@ class ReuseMeter:
         if half_life_bytes <= 0:
             raise ValueError("half_life_bytes must be positive")
         self.half_life = float(half_life_bytes)
+        self.warm_up = min(self.half_life, WARM_UP_BYTES)
         self.min_reuse = min_reuse
         self.admitted_bytes = 0.0
         self.reused_bytes = 0.0
@@ -87,4 +93,4 @@ class ReuseMeter:
     def paying(self) -> bool:
         """Whether the tier's writes are read back enough to take the engine's CPU for them
         (assumed during the warm-up: module docstring)."""
-        return self.total_admitted < self.half_life or self.ratio >= self.min_reuse
+        return self.total_admitted < self.warm_up or self.ratio >= self.min_reuse
