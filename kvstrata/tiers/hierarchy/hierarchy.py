@@ -422,7 +422,8 @@ class Hierarchy:
                     found = [keys[i] for i, src in source.items() if src is link]
                     if found:
                         link.reuse.read_back(sum(map(s.chunk_bytes, found)))
-                    link.reuse.asked_for([keys[i] for i in candidates if i not in source])
+                    if link.reuse.has_lost:
+                        link.reuse.asked_for([keys[i] for i in candidates if i not in source])
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect)
         return states
 

@@ -12,10 +12,9 @@ Evidence, per tier, counted in bytes: chunks a request's lookup found in the tie
 starts), chunks it found in the host tier that the tier holds too (the workload comes back;
 once the host tier evicts them, the tier serves them), and chunks a lookup asked for that the
 write-behind had admitted to the tier but lost (the host tier evicted them before their write:
-they would have been served). Against it, the
-bytes admitted for writing. Both decay by half every ``half_life_bytes`` admitted, so a workload
-that stops reusing turns the catching-up off again, and one that starts turns it on within a
-few requests. A tier that has had nothing admitted yet but serves (a restarted store) counts as
+they would have been served). Against it, the bytes admitted for writing. Both decay by half
+every ``half_life_bytes`` admitted, so a workload that stops reusing turns the catching-up off
+again, and one that starts turns it on within a few requests. A tier that has had nothing admitted yet but serves (a restarted store) counts as
 read back.
 
 Until a tier has been given ``warm_up_bytes`` of writes (the half-life, at most WARM_UP_BYTES),
@@ -73,6 +72,10 @@ class ReuseMeter:
         self._lost.move_to_end(key)
         while len(self._lost) > self._ghost_capacity:
             self._lost.popitem(last=False)
+
+    @property
+    def has_lost(self) -> bool:
+        return bool(self._lost)
 
     def asked_for(self, keys: list[bytes]) -> None:
         """A request's lookup found none of ``keys`` in the tier: those it lost count as read
