@@ -416,15 +416,8 @@ class Hierarchy:
         if not candidates:
             return states
         source = self._find(keys, candidates, prefix)
-        if count_offers:  # a request's lookup: is what the tiers got written read back?
-            with s.lock:
-                for link in links:
-                    found = [keys[i] for i, src in source.items() if src is link]
-                    if found:
-                        link.reuse.read_back(sum(map(s.chunk_bytes, found)))
-                    if link.reuse.has_lost:
-                        link.reuse.asked_for([keys[i] for i in candidates if i not in source])
-        self._start_promotions(keys, states, source, streamed, promoting, stream, protect)
+        self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
+                               candidates if count_offers else None)
         return states
 
     def _find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
@@ -451,10 +444,14 @@ class Hierarchy:
 
     def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
                           streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
-                          protect: set[bytes] | None) -> None:
+                          protect: set[bytes] | None, asked: list[int] | None) -> None:
+        """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
+        the tiers' reuse evidence (None: a promotion that is no request's)."""
         s = self._s
         items = []
         with s.lock:
+            if asked is not None:
+                self._note_read_back(keys, source, asked)
             protected: set[bytes] | None = None
             room = not s.closed
             for i in sorted(source):
@@ -490,6 +487,17 @@ class Hierarchy:
                     promoting[key] = source[i].name
             self._promoter.launch(items)
             self._count(states, streamed)
+
+    def _note_read_back(self, keys: Sequence[bytes], source: dict[int, TierLink], asked: list[int]) -> None:
+        """A request looked for ``asked`` below the host tier: those a tier holds, and those it
+        lost before their write, count as read back from it (``reuse``). Under the lock."""
+        s = self._s
+        for link in s.links:
+            found = [keys[i] for i, src in source.items() if src is link]
+            if found:
+                link.reuse.read_back(sum(map(s.chunk_bytes, found)))
+            if link.reuse.has_lost:
+                link.reuse.asked_for([keys[i] for i in asked if i not in source])
 
     def _count(self, states: list[Presence], streamed: int = 0) -> None:
         c = self._s.counts
