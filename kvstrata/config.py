@@ -111,6 +111,17 @@ class StrataConfig:
     # (tiers/landing.py). A chunk that then fails to decode fails the load, which vLLM
     # recomputes only under kv_load_failure_policy="recompute": "auto" streams exactly then.
     stream_loads: bool | str = "auto"
+    # Load a hit in the step that computes its request, before that step's forward, instead of
+    # asynchronously: an asynchronous load is copied after one forward and reported in its
+    # output, so the request computes a step or two later (two under vLLM's async scheduling),
+    # which under load is most of a disk or host hit's time to first token. "auto": on CPU
+    # engines, where the copy is a memcpy on the engine's thread either way (a streamed disk
+    # hit's chunks are waited for there too: the forward would share the cores with their
+    # decompression); accelerators keep asynchronous loads so a forward never waits for a copy
+    # (true makes it wait for host-tier hits, never for the disk). Only with one
+    # KV cache group: vLLM can recover from a failed synchronous load only by block ids, which
+    # it cannot map with several groups (docs/SEMANTICS.md §1.6).
+    sync_loads: bool | str = "auto"
     # Python's GIL switch interval in the engine-core process, where kvstrata's read threads run
     # beside vLLM's busy step loop: the default 5 ms makes each of their GIL hand-backs wait up to
     # that long (decoding 32 cached records took 210 ms instead of 61 ms next to one busy Python
@@ -182,6 +193,14 @@ class StrataConfig:
         if self.io_threads == "auto":
             return max(1, min(MAX_AUTO_IO_THREADS, usable_cpus()))
         return int(self.io_threads)
+
+    def resolve_sync_loads(self, device_type: str, num_kv_cache_groups: int) -> bool:
+        """Whether hits are loaded in the step that computes them (``sync_loads``)."""
+        if num_kv_cache_groups != 1:
+            return False
+        if self.sync_loads == "auto":
+            return device_type == "cpu"
+        return bool(self.sync_loads)
 
     def resolve_stream_loads(self, kv_load_failure_policy: str) -> bool:
         """Whether loads stream under vLLM's ``kv_load_failure_policy``."""
@@ -373,6 +392,7 @@ _VALIDATORS = {
     "max_age_s": _optional_seconds,
     "host_shm_dir": _optional_path,
     "stream_loads": _auto_or(_bool),
+    "sync_loads": _auto_or(_bool),
     "python_switch_interval_s": _optional_seconds,
     "self_describing_kv_events": _bool,
     "warm_start_bytes": parse_size,

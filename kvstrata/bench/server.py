@@ -298,6 +298,10 @@ KVSTRATA_SERIES = {
     "load_failures": "vllm:kvstrata_load_failures_total",
     "store_jobs": "vllm:kvstrata_store_jobs_total",
     "load_jobs": "vllm:kvstrata_load_jobs_total",
+    # Loads copied in the step that computes their request, and lookups that made a request
+    # wait a step (chunks still on their way from disk).
+    "sync_loads": "vllm:kvstrata_sync_loads_total",
+    "lookup_deferrals": "vllm:kvstrata_lookup_deferrals_total",
     "disk_admission_drops": "vllm:kvstrata_disk_admission_drops",
     "writes_behind": "vllm:kvstrata_writes_behind",
     "writes_urgent": "vllm:kvstrata_disk_writes_urgent",

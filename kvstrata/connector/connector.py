@@ -177,6 +177,13 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             # Checked before the store is opened: a refused option leaves nothing to close.
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
             stream_loads = self.cfg.resolve_stream_loads(policy)
+            num_groups = len(kv_cache_config.kv_cache_groups)
+            device = getattr(vllm_config.device_config, "device_type", None) or "cpu"
+            sync_loads = self.cfg.resolve_sync_loads(device, num_groups)
+            if self.cfg.sync_loads is True and not sync_loads:
+                logger.warning("kvstrata: sync_loads is off for this engine: it has %d KV cache "
+                               "groups, and vLLM recovers from a failed synchronous load only "
+                               "with one (docs/SEMANTICS.md §1.6)", num_groups)
             events = vllm_config.kv_events_config is not None and bool(
                 vllm_config.kv_events_config.enable_kv_cache_events)
             hierarchy, self._owned, self._session_dir = build_hierarchy(
@@ -196,6 +203,8 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
                 offload_prompt_only=self.cfg.offload_prompt_only,
                 prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
                 stream_loads=stream_loads,
+                sync_loads=sync_loads,
+                sync_loads_wait_for_disk=sync_loads and device == "cpu",
                 events=kv_events,
                 shutdown_write_timeout_s=self.cfg.shutdown_write_timeout_s,
             )
@@ -252,6 +261,11 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self.worker.get_finished()
         return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Synchronous loads only (sync_loads, one KV cache group): asynchronous ones fail
+        # through failed_recving.
+        return self.worker.take_invalid_block_ids() if self._worker is not None else set()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Failed loads go through failed_recving (also listed in finished_recving): the only

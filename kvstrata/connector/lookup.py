@@ -19,7 +19,7 @@ from vllm.v1.request import Request
 from kvstrata import semantics
 from kvstrata.connector.events import KVEvents
 from kvstrata.connector.metadata import ChunkCopy, TransferJob
-from kvstrata.connector.request_state import Job, RequestState
+from kvstrata.connector.request_state import Job, RequestState, served_by_tier
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE, chunk_group
@@ -42,6 +42,8 @@ class LookupMixin:
     events: KVEvents | None
     stats: StrataStats
     stream_loads: bool
+    sync_loads: bool
+    sync_loads_wait_for_disk: bool
     _reqs: dict[str, RequestState]
     _jobs: dict[int, Job]
     _loads: list[TransferJob]
@@ -134,7 +136,17 @@ class LookupMixin:
         self._awaiting.discard(request.request_id)
         self.stats.observe_lookup_delay(time.monotonic() - st.lookup_started)
         st.lookup_started = None
-        return hit, hit > 0
+        # Load the hit before this step's forward and compute the request in the same step
+        # (sync_loads): when every chunk is in the host tier, or, on CPU engines, also when a
+        # streamed lookup answered HIT for chunks still landing from disk (the worker waits for
+        # them; the forward would share the cores with their decompression anyway). Not a hit
+        # of the whole request: vLLM then has no token to compute in that step (an
+        # asynchronous load has it recompute the last one).
+        st.sync_load = (self.sync_loads and hit > 0 and not pending
+                        and num_computed_tokens + hit < request.num_tokens
+                        and (self.sync_loads_wait_for_disk or not self.stream_loads
+                             or not self.hierarchy.in_flight(list(answered))))
+        return hit, hit > 0 and not st.sync_load
 
     def _record_lookup_hits(self, st: RequestState, keys: list[bytes], answers: list[Presence]) -> None:
         """Snapshot the request for every chunk of a full-attention group a lookup found, so its
@@ -186,6 +198,7 @@ class LookupMixin:
             return
         st = self._reqs[request.request_id]
         cached = st.num_local + num_external
+        sync, st.sync_load = st.sync_load, False
         block_ids: dict[int, list[int]] = {}
         load_start: dict[int, int] = {}
         for geom in self.layout.groups:
@@ -194,11 +207,12 @@ class LookupMixin:
             n_gpu = -(-cached // geom.tokens_per_block)
             first_fresh = -(-st.num_local // geom.tokens_per_block)
             # Scan from the local boundary: sparse groups (Mamba, SW) legitimately hold non-null
-            # unhashed blocks below it; nulls are skipped positions (R35).
+            # unhashed blocks below it; nulls are skipped positions (R35). vLLM has hashed a
+            # synchronous load's blocks already (it caches them at allocation).
             start = n_gpu
             for i in range(first_fresh, n_gpu):
                 b = group_blocks[i]
-                if not b.is_null and b.block_hash is None:
+                if not b.is_null and (sync or b.block_hash is None):
                     start = i
                     break
             load_start[geom.index] = start
@@ -227,6 +241,8 @@ class LookupMixin:
         )
         keys = [t.key for t in transfers]
         if self.stream_loads:
+            # A synchronous load's chunks were all in the host tier at its lookup (ticket 0); a
+            # chunk gone since would fail it (the worker never waits for one to land).
             placed = self.hierarchy.prepare_streamed_load(keys)
         else:
             placed = [(slot, 0) for slot in self.hierarchy.prepare_load(keys)]
@@ -249,10 +265,20 @@ class LookupMixin:
             st.groups[geom.index].next_stored_chunk = covered
         job_id = self._new_job(st, is_store=False, keys=keys)
         self._jobs[job_id].hit = (num_external, lower_tokens)
-        self._loads.append(TransferJob(job_id, request.request_id, False, copies))
+        self._loads.append(TransferJob(job_id, request.request_id, False, copies, sync=sync))
         if any(c.ticket > 0 for c in copies):
-            self._streaming.add(job_id)
             self.stats.streamed_loads += 1
-        if self._being_loaded is not None:
+            if not sync:  # a synchronous one is over when its step's forward starts
+                self._streaming.add(job_id)
+        if sync:
+            self.stats.sync_loads += 1
+            # The request may finish in this step, before vLLM hands over the load's result
+            # (it frees finished requests first): say now what it was served. A failed load
+            # never lets the request finish in this step, and takes it back (_finish_job).
+            self._jobs[job_id].served_before = st.served
+            st.served = served_by_tier(num_external, lower_tokens)
+        # vLLM caches a synchronous load's blocks at once (its prefix cache serves them from
+        # this step on); an asynchronous one's only once it arrived.
+        if self._being_loaded is not None and not sync:
             self._being_loaded.update(keys)
         self.stats.load_jobs += 1

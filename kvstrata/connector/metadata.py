@@ -33,10 +33,14 @@ class ChunkCopy:
 
 @dataclass(slots=True)
 class TransferJob:
+    """``sync`` (loads only): copied before this step's forward, which computes the request; a
+    failure is reported as block ids, never in ``finished_recving`` (vLLM runs the request)."""
+
     job_id: int
     req_id: str
     is_store: bool
     copies: list[ChunkCopy]
+    sync: bool = False
 
     @property
     def block_ids(self) -> list[int]:

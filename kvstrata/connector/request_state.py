@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request
 
+from kvstrata.tiers.hierarchy import TIER_HOST
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,6 +51,8 @@ class RequestState:
     prompt_tail_keys: dict[int, bytes] | None = None
     prompt_tail_hashed: bool = False
     prompt_tail_hit: bool = False
+    # Whether the last lookup's hit is loaded synchronously (before its step's forward).
+    sync_load: bool = False
     # Tokens kvstrata served this request by the tier they came from (its last load that
     # succeeded), handed back in the request's output (``SERVED_PARAM``).
     served: dict[str, int] = field(default_factory=dict)
@@ -72,6 +76,15 @@ class Job:
     # loads: (tokens, of which promoted from each lower tier), counted on success
     hit: tuple[int, dict[str, int]] = field(default_factory=lambda: (0, {}))
     failed: bool = False  # some worker reported it failed (the others may report later)
+    # A synchronous load: what the request was served before it (restored if it fails).
+    served_before: dict[str, int] | None = None
+
+
+def served_by_tier(tokens: int, lower: dict[str, int]) -> dict[str, int]:
+    """What a load served, by tier: ``lower`` the tokens promoted from each lower tier, the rest
+    from the host tier (tiers without tokens left out)."""
+    served = {TIER_HOST: tokens - sum(lower.values()), **lower}
+    return {tier: n for tier, n in served.items() if n}
 
 
 def request_cap(req: Request, name: str) -> int | None:

@@ -31,10 +31,11 @@ from kvstrata.connector.request_state import (
     Job,
     RequestState,
     request_cap,
+    served_by_tier,
 )
 from kvstrata.connector.stats import StrataStats
 from kvstrata.connector.store_jobs import StoreJobsMixin
-from kvstrata.tiers.hierarchy import TIER_DISK, TIER_HOST, TIER_REMOTE
+from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE
 from kvstrata.tiers.manager import TierManager
 
 # Longest an empty engine step waits for promotions from disk (see StrataScheduler._idle_wait).
@@ -44,7 +45,8 @@ IDLE_WAIT_S = 0.02
 class StrataScheduler(LookupMixin, StoreJobsMixin):
     def __init__(
         self, plan: KVPlan, hierarchy: TierManager, *, offload_prompt_only: bool, prefix_caching: bool,
-        stream_loads: bool = False, events: KVEvents | None = None,
+        stream_loads: bool = False, sync_loads: bool = False, sync_loads_wait_for_disk: bool = False,
+        events: KVEvents | None = None,
         shutdown_write_timeout_s: float | None = None,
     ):
         self.plan = plan
@@ -56,6 +58,11 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         # Disk hits are answered before their chunks landed and loaded as they land (see
         # Hierarchy.prepare_streamed_load); only under kv_load_failure_policy="recompute".
         self.stream_loads = stream_loads
+        # Hits wholly in the host tier are loaded before the forward of the step that computes
+        # their request (StrataConfig.sync_loads; vLLM's load_kv_async False).
+        self.sync_loads = sync_loads
+        # ... also streamed ones whose chunks are still landing (the worker waits: CPU engines).
+        self.sync_loads_wait_for_disk = sync_loads_wait_for_disk
         self._streaming: set[int] = set()  # streamed load jobs (their keys: self._jobs)
         self.layout = plan.layout
         self.hierarchy = hierarchy
@@ -276,11 +283,12 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
                 self.stats.hit_tokens_remote += lower.get(TIER_REMOTE, 0)
                 self.stats.hit_tokens_host += tokens - sum(lower.values())
                 if st is not None:
-                    served = {TIER_HOST: tokens - sum(lower.values()), **lower}
-                    st.served = {tier: n for tier, n in served.items() if n}
+                    st.served = served_by_tier(tokens, lower)
             else:
                 self.stats.load_failures += 1
                 if st is not None:
+                    if job.served_before is not None:  # a synchronous load said so at once
+                        st.served = job.served_before
                     # vLLM recomputes what the load was to bring, after a new lookup whose hit
                     # (possibly none) sets the scan again: until then, store from the start
                     # (chunks already stored are skipped by prepare_store).

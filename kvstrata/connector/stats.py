@@ -24,6 +24,7 @@ COUNTERS = {
     "hit_tokens_remote": "Tokens served after promotion from the shared (Redis/Valkey) tier",
     "load_jobs": "Load jobs (device <- host)",
     "streamed_loads": "Load jobs sent before all their chunks landed from disk (stream_loads)",
+    "sync_loads": "Load jobs copied before the forward of the step that computes their request (sync_loads)",
     "store_jobs": "Store jobs (device -> host)",
     "bytes_loaded": "Bytes copied host -> device",
     "bytes_stored": "Bytes copied device -> host",

@@ -7,6 +7,12 @@ offloading worker (docs/DESIGN.md "tiers/device/"): loads complete by their even
 reported in ``finished_recving`` (the compute stream never waits on them); a step's stores are
 issued at the next step's start, after that step's sampling, ordered after their forward by an
 event recorded in ``wait_for_save``.
+
+Synchronous loads (``TransferJob.sync``, StrataConfig ``sync_loads``) are copied in
+``start_load_kv``, which vLLM calls before the forward of the step that computes their request,
+and waited for there. vLLM runs that request at once, so they never appear in
+``finished_recving``; a failed one reports its blocks (``take_invalid_block_ids``) and fails the
+request's stores of that step, whose KV attended blocks that were not loaded.
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ class StrataWorker:
         self._meta = StrataWorkerMetadata()
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
+        # Results taken early (synchronous loads are checked before the forward); reported
+        # with the others by get_finished.
+        self._early: list[tuple[int, bool]] = []
+        self._invalid_blocks: set[int] = set()
+        # Requests whose synchronous load failed this step: their stores must not run.
+        self._failed_sync: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         plan = self.plan
@@ -91,8 +103,29 @@ class StrataWorker:
 
     def start_load_kv(self, meta: StrataMetadata) -> None:
         self._submit_deferred()  # a runner that skipped handle_preemptions still issues them
+        sync: list[int] = []
+        landing: list[int] = []
         for job in meta.loads:
             self._submit(job)
+            if job.sync:
+                (landing if any(c.ticket for c in job.copies) else sync).append(job.job_id)
+        if not sync and not landing:
+            return
+        assert self.stager is not None and self.landing is not None
+        if landing:
+            # Streamed synchronous loads (CPU engines): chunks still on their way from disk.
+            # This step's forward needs them; on CPU each is copied as it lands.
+            self.landing.wait(landing)
+            for job_id, transfers in self.landing.take_ready():  # accelerators: whole jobs
+                self.stager.load(job_id, transfers)
+                sync.append(job_id)
+            self._early.extend(self.landing.poll())
+        # CPU: the copies ran inside _submit. Accelerators: the forward is launched after this.
+        self.stager.wait(sync)
+        self._early.extend(self.stager.poll())
+        self._failed_sync.update(
+            self._submitted[job_id].req_id for job_id, ok in self._early
+            if not ok and job_id in self._submitted and self._submitted[job_id].sync)
 
     def wait_for_save(self, meta: StrataMetadata) -> None:
         # Called after this step's forward was launched (CPU: after it ran).
@@ -103,7 +136,7 @@ class StrataWorker:
             return
         if self.stager.copies_on_host:
             for job in stores:
-                self._submit(job)
+                self._submit_store(job)
             return
         mark = self.stager.mark_compute()
         self._deferred.extend((job, mark) for job in stores)
@@ -111,7 +144,21 @@ class StrataWorker:
     def _submit_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for job, mark in deferred:
-            self._submit(job, after=mark)
+            self._submit_store(job, after=mark)
+        # The stores that ran in a failed synchronous load's step are handled by now.
+        self._failed_sync.clear()
+
+    def _submit_store(self, job: TransferJob, after: Any = None) -> None:
+        if job.req_id in self._failed_sync:
+            self._fail(job)
+        else:
+            self._submit(job, after=after)
+
+    def _fail(self, job: TransferJob) -> None:
+        """Report a job failed without copying anything."""
+        self._submitted[job.job_id] = job
+        self._started[job.job_id] = time.perf_counter()
+        self._early.append((job.job_id, False))
 
     def _submit(self, job: TransferJob, after: Any = None) -> None:
         assert self.stager is not None, "register_kv_caches was not called"
@@ -138,7 +185,8 @@ class StrataWorker:
         for job_id, transfers in self.landing.take_ready():
             self.stager.load(job_id, transfers)
         acked, self._acked = [(j, True) for j in self._acked], []
-        for job_id, ok in acked + self.stager.poll() + self.landing.poll():
+        early, self._early = self._early, []
+        for job_id, ok in acked + early + self.stager.poll() + self.landing.poll():
             job = self._submitted.pop(job_id)
             elapsed = time.perf_counter() - self._started.pop(job_id)
             # A rank that only acknowledged a replicated store moved no bytes.
@@ -148,6 +196,13 @@ class StrataWorker:
             if job.is_store:
                 self._meta.bytes_stored += nbytes if ok else 0
                 self._meta.store_seconds += elapsed
+            elif job.sync:
+                self._meta.bytes_loaded += nbytes if ok else 0
+                self._meta.load_seconds += elapsed
+                if not ok:
+                    logger.warning("kvstrata: load job %d for request %s failed; vLLM recomputes "
+                                   "or fails it (kv_load_failure_policy)", job_id, job.req_id)
+                    self._invalid_blocks.update(b for b in job.block_ids if b != 0)
             else:
                 self._meta.bytes_loaded += nbytes if ok else 0
                 self._meta.load_seconds += elapsed
@@ -158,6 +213,12 @@ class StrataWorker:
         recving, failed = self._finished_loads, self._failed_loads
         self._finished_loads, self._failed_loads = set(), set()
         return set(), recving, failed
+
+    def take_invalid_block_ids(self) -> set[int]:
+        """Blocks of synchronous loads that failed since the last call (vLLM's
+        ``get_block_ids_with_load_errors``)."""
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
 
     def _job_bytes(self, job: TransferJob) -> int:
         return sum(len(c.block_ids) * len(self.plan.group(c.group).layer_names) * self.plan.group(c.group).page_bytes for c in job.copies)

@@ -95,13 +95,21 @@ class LandingWaiter:
                 self._results.append((job_id, False))
                 return
             self._jobs.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def poll(self) -> list[tuple[int, bool]]:
         """Jobs finished (copied, on CPU) or failed since the last poll, as ``(job_id, ok)``."""
         with self._cond:
             out, self._results = self._results, []
         return out
+
+    def wait(self, job_ids: Sequence[int], timeout: float | None = None) -> bool:
+        """Block until none of these jobs is still waiting (copied or failed on CPU, landed on
+        accelerators), at most ``timeout`` seconds; True when none is."""
+        wanted = set(job_ids)
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._closed or not any(j.job_id in wanted for j in self._jobs), timeout)
 
     def take_ready(self) -> list[tuple[int, list]]:
         """Accelerators: jobs whose every chunk landed, to be submitted to the copy stream."""
@@ -120,6 +128,7 @@ class LandingWaiter:
                 job.cancelled = True
                 self._jobs.remove(job)
                 self._results.append((job.job_id, False))
+            self._cond.notify_all()
         if hit:
             with self._copy_lock:
                 pass
@@ -129,7 +138,7 @@ class LandingWaiter:
         """Stop watching; jobs still waiting fail."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join()
 
     # ---- the watching thread ------------------------------------------------------------------
@@ -160,6 +169,7 @@ class LandingWaiter:
                         self._ready.append((job.job_id, job.transfers))
                     else:
                         self._results.append((job.job_id, outcome))
+                    self._cond.notify_all()  # wait()'s callers
             if not progressed:
                 time.sleep(POLL_S)
 

@@ -143,6 +143,9 @@ TIGHT_HOST = Restart("tight_host", host_bytes=1 << 20)
 # served from the host tier.
 WARM_START = Restart("warm_start", {"warm_start_bytes": HOST_BYTES},
                      steps=({"op": "wait_warm_start", "timeout_s": JOB_TIMEOUT_S},))
+# Asynchronous loads on a one-group model (CPU engines load synchronously by default,
+# accelerators asynchronously): the request waits for its load to be reported, then runs.
+ASYNC_LOADS = Restart("async_loads", {"sync_loads": False})
 
 # vLLM's dtype "auto" runs a float32 checkpoint in bf16 (KV cache included), where the KV a
 # forward writes depends on the batch around it (kernel tiles): float32 keeps the comparison with
@@ -151,7 +154,7 @@ FP32 = {"dtype": "float32"}
 
 CASES: dict[str, ModelCase] = {
     "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), engine=FP32,
-                       serves_prompt_tails=True, restarts=(TIGHT_HOST, WARM_START)),
+                       serves_prompt_tails=True, restarts=(TIGHT_HOST, WARM_START, ASYNC_LOADS)),
     # Under vLLM's default kv_load_failure_policy ("fail") kvstrata does not stream: every chunk
     # is read and verified before a hit is answered, so the corrupt record is a plain miss.
     # Chunks of two blocks, and decoded tokens stored too (multi-turn follow-ups reuse them).

@@ -112,6 +112,23 @@ def test_disk_loads_stream_only_under_the_recompute_policy(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("case", "round_name", "sync"),
+                         [("llama", "disk", True), ("llama_verify_first", "disk", True),
+                          ("llama", "async_loads", False), ("gemma3", "disk", False)],
+                         ids=["streamed", "verified-first", "async-option", "two-groups"])
+def test_cpu_engines_load_in_the_step_that_computes(
+        scenarios: Callable[[str], Scenario], case: str, round_name: str, sync: bool) -> None:
+    """sync_loads "auto": one-group engines on CPU load a hit before the forward of the step
+    that computes it (streamed disk hits too; a hit of a whole prompt stays asynchronous, vLLM
+    recomputes its last token); the option off, or several KV cache groups, keep asynchronous
+    loads. Both kinds are compared with recomputation in test_served_equals_recomputed."""
+    step = scenarios(case).step(f"eq_{round_name}")
+    loads, synced = metric(step, "kvstrata_load_jobs"), metric(step, "kvstrata_sync_loads")
+    assert loads > 0, dump(step["metrics"])
+    assert (0 < synced <= loads) if sync else synced == 0, dump(step["metrics"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama", "gemma3"])
 def test_a_tight_host_tier_serves_from_disk(scenarios: Callable[[str], Scenario], case: str) -> None:
     step = scenarios(case).step("eq_tight_host")

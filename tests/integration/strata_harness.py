@@ -189,7 +189,9 @@ class Runner:
     kv_events: bool = False
     # Workers stage through StreamStager on the accelerator double (tests/unit/accel_double.py):
     # deferred stores, event-completed loads; the double runs its queued copies just before each
-    # step's get_finished, after that step's (host-synchronous) emulated forward.
+    # step's get_finished, after that step's (host-synchronous) emulated forward. Loads are
+    # asynchronous there unless ``extra`` says ``sync_loads`` (what "auto" does on accelerators;
+    # the engine's device type is the CPU here).
     accel: bool = False
     # Every rank holds the same KV (MLA's latent under tensor parallelism): vLLM's signals for it
     # (``use_mla``, ``kv_tp_replicas``) are set, and the emulated forward writes the same values
@@ -210,6 +212,8 @@ class Runner:
 
     def _build(self) -> None:
         block_size = max(g.block_size for g in self.groups)
+        if self.accel:
+            self.extra = {"sync_loads": False, **self.extra}
         self.config = vllm_config(self.model_dir, self.store, block_size=block_size, extra=self.extra,
                                   spec_decode=self.spec_decode, retention=self.retention,
                                   max_num_batched_tokens=self.max_num_batched_tokens,
@@ -352,6 +356,7 @@ class Runner:
                 kv_connector_output=KVConnectorOutput(
                     finished_sending=results.finished_sending, finished_recving=results.finished_recving,
                     failed_recving=results.failed_recving, kv_connector_worker_meta=wmeta,
+                    invalid_block_ids=w.get_block_ids_with_load_errors(),
                 ),
             ))
         out = self._aggregator.aggregate(outputs)
@@ -379,7 +384,10 @@ class Runner:
         loads = {}
         for job in so.kv_connector_metadata.loads:
             req = self.scheduler.requests[job.req_id]
-            loads[job.req_id] = req.num_computed_tokens - self._local_hit(req)
+            # A synchronous load's request is scheduled in the same step: schedule() advanced
+            # num_computed_tokens past the tokens this step computes.
+            computed = req.num_computed_tokens - so.num_scheduled_tokens.get(job.req_id, 0)
+            loads[job.req_id] = computed - self._local_hit(req)
         return loads
 
     def _local_hit(self, req: Request) -> int:

@@ -91,6 +91,23 @@ def test_stream_loads_true_is_refused_when_a_failed_load_would_fail_the_request(
         StrataConfig.from_extra_config({"stream_loads": "sometimes"})
 
 
+@pytest.mark.parametrize(
+    ("value", "device", "groups", "sync"),
+    [("auto", "cpu", 1, True), ("auto", "cuda", 1, False), ("auto", "xpu", 1, False),
+     (True, "cuda", 1, True), ("true", "cpu", 1, True), (False, "cpu", 1, False),
+     ("auto", "cpu", 2, False), (True, "cpu", 3, False)],
+)
+def test_sync_loads_on_cpu_engines_with_one_kv_cache_group(
+        value: object, device: str, groups: int, sync: bool) -> None:
+    cfg = StrataConfig.from_extra_config({"sync_loads": value})
+    assert cfg.resolve_sync_loads(device, groups) is sync
+
+
+def test_sync_loads_bad_value_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="sync_loads"):
+        StrataConfig.from_extra_config({"sync_loads": "sometimes"})
+
+
 def test_io_threads_auto_is_one_per_usable_core_at_most_four(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvstrata.config as config
 

@@ -86,6 +86,23 @@ def test_copies_each_slot_as_it_lands(rig):
     assert (rig.device[1] == 11).all() and (rig.device[2] == 22).all() and (rig.device[3] == 33).all()
 
 
+def test_wait_blocks_until_the_job_is_copied_or_failed(rig):
+    """A synchronous streamed load (the worker, before the forward): wait() returns once every
+    chunk was copied, not before; a job that fails ends the wait too."""
+    rig.waiter.submit(1, transfers(1, 2), [5, 6])
+    assert rig.waiter.wait([1], timeout=0.05) is False and rig.copied == []
+    landed = threading.Timer(0.05, lambda: (rig.land(1, 5, fill=1), rig.land(2, 6, fill=2)))
+    landed.start()
+    assert rig.waiter.wait([1], timeout=DEADLINE_S) is True
+    assert sorted(rig.copied) == [1, 2] and (rig.device[2] == 2).all()
+    assert rig.waiter.poll() == [(1, True)]
+    rig.waiter.submit(2, transfers(3), [7])
+    threading.Timer(0.05, lambda: rig.land(3, 7, failed=True)).start()
+    assert rig.waiter.wait([2], timeout=DEADLINE_S) is True
+    assert rig.waiter.poll() == [(2, False)] and 3 not in rig.copied
+    landed.join()
+
+
 def test_an_older_ticket_on_the_board_is_not_mistaken_for_ours(rig):
     rig.land(1, 4, fill=99)  # an earlier promotion in the same slot
     rig.waiter.submit(1, transfers(1), [5])
