@@ -173,6 +173,7 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         cpu_seconds,
         hit_tokens,
         kvstrata_figures,
+        phase_sums,
         scrape,
         wait_healthy,
     )
@@ -217,6 +218,14 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
             for k, v in hit_tokens(b, a).items():
                 hits[k] = hits.get(k, 0.0) + v
         fig["hit_tokens"] = hits
+        sums: dict[str, list[float]] = {}
+        for b, a in zip(before, after, strict=True):
+            for k, (total, n) in phase_sums(b, a).items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += total
+                acc[1] += n
+        # Mean seconds per request in each of vLLM's phases (server side).
+        fig["phase_mean_s"] = {k: round(t / n, 4) for k, (t, n) in sums.items() if n}
         ours: dict[str, float] = {}
         for b, a in zip(before, after, strict=True):
             for k, v in kvstrata_figures(b, a).items():

@@ -307,6 +307,9 @@ KVSTRATA_SERIES = {
     "writes_urgent": "vllm:kvstrata_disk_writes_urgent",
     "write_reuse": "vllm:kvstrata_disk_write_reuse",
     "promotions": "vllm:kvstrata_promotions",
+    # Seconds from a load's submission to its end in the workers (a streamed one's wait for
+    # chunks landing from disk included).
+    "load_seconds": "vllm:kvstrata_load_seconds_total",
     "disk_entries": "vllm:kvstrata_disk_entries",
 }
 
@@ -318,6 +321,25 @@ def kvstrata_figures(before: dict[str, float], after: dict[str, float]) -> dict[
         if series in after:
             out[name] = after[series] - (before.get(series, 0.0) if series.endswith("_total")
                                          else 0.0)
+    return out
+
+
+# vLLM's own per-request phases (histograms): waiting to be scheduled, from scheduled to the
+# first token (a connector's load included), decoding. Where a configuration's TTFT goes.
+PHASE_SERIES = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+}
+
+
+def phase_sums(before: dict[str, float], after: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """Per phase of :data:`PHASE_SERIES`: (seconds summed over requests, requests) over a run."""
+    out: dict[str, tuple[float, float]] = {}
+    for phase, series in PHASE_SERIES.items():
+        total, count = f"{series}_sum", f"{series}_count"
+        if total in after and count in after:
+            out[phase] = (after[total] - before.get(total, 0.0), after[count] - before.get(count, 0.0))
     return out
 
 

@@ -241,8 +241,9 @@ class LookupMixin:
         )
         keys = [t.key for t in transfers]
         if self.stream_loads:
-            # A synchronous load's chunks were all in the host tier at its lookup (ticket 0); a
-            # chunk gone since would fail it (the worker never waits for one to land).
+            # A synchronous load gets tickets too: on CPU engines its worker waits for chunks
+            # still landing before the forward; elsewhere its chunks were all in the host tier
+            # at the lookup (ticket 0), and one gone since (-1) fails it.
             placed = self.hierarchy.prepare_streamed_load(keys)
         else:
             placed = [(slot, 0) for slot in self.hierarchy.prepare_load(keys)]

@@ -118,7 +118,8 @@ class StrataWorker:
             self.landing.wait(landing)
             for job_id, transfers in self.landing.take_ready():  # accelerators: whole jobs
                 self.stager.load(job_id, transfers)
-                sync.append(job_id)
+                if job_id in landing:
+                    sync.append(job_id)
             self._early.extend(self.landing.poll())
         # CPU: the copies ran inside _submit. Accelerators: the forward is launched after this.
         self.stager.wait(sync)

@@ -13,7 +13,7 @@ import pytest
 from kvstrata.bench import configs, report, serve
 from kvstrata.bench.client import RequestResult
 from kvstrata.bench.peers import PeerUnavailable
-from kvstrata.bench.server import hit_tokens, parse_metrics
+from kvstrata.bench.server import hit_tokens, parse_metrics, phase_sums
 from kvstrata.bench.workload import WorkloadError, WorkloadSpec, build_workload
 from kvstrata.tools.cli import main
 
@@ -119,6 +119,19 @@ def test_metrics_are_parsed_per_tier() -> None:
     assert hits["by_source_host"] == 64.0
 
 
+def test_request_phases_are_deltas_of_vllms_histograms() -> None:
+    before = parse_metrics("\n".join([
+        'vllm:request_queue_time_seconds_sum{engine="0"} 1.5',
+        'vllm:request_queue_time_seconds_count{engine="0"} 3.0']))
+    after = parse_metrics("\n".join([
+        'vllm:request_queue_time_seconds_sum{engine="0"} 7.5',
+        'vllm:request_queue_time_seconds_count{engine="0"} 6.0',
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="1.0"} 4.0',
+        'vllm:request_prefill_time_seconds_sum{engine="0"} 0.9',
+        'vllm:request_prefill_time_seconds_count{engine="0"} 3.0']))
+    assert phase_sums(before, after) == {"queue": (6.0, 3.0), "prefill": (0.9, 3.0)}
+
+
 def test_charts_are_png(tmp_path) -> None:
     path = report.serve_chart(tmp_path / "c.png", {"vllm": [1.0, 2.0], "kvstrata": [0.5]},
                               {"vllm": {"1": 1.5}, "kvstrata": {"1": 0.5, "2": None}}, "t")
@@ -170,6 +183,7 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
         assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
         assert fig["tracebacks"] == 0, fig["log_problems"]
         assert fig["cpu_s"][0]["total"] > 0 and len(fig["requests_detail"]) == 2, fig
+        assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
     ours = result["configs"]["kvstrata"]
     assert ours["stores_clean_shutdown"] is True
     assert "kvstrata_disk" in ours["hit_tokens"]
