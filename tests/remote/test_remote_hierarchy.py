@@ -341,6 +341,8 @@ def test_writes_that_failed_while_the_server_hung_follow_the_first_write_it_take
     a, keys = _writes_failed_while_hung(engines, redis_server, plain, slots=16)
     a.put([key(10)])
     eventually(lambda: all(on_server(plain, a.ns, k) for k in [*keys, key(10)]), "the writes retried")
+    # A value is on the server a moment before its write counts as completed.
+    eventually(lambda: a.tier("remote")["writes_completed"] >= 5, "the retried writes to complete")
     rs = a.tier("remote")
     assert (rs["writes_retried"], rs["writes_completed"], rs["writes_failed"]) == (4, 5, 4)
     assert a.h.close() and a.h.stats()["writes_flushed"] == 0  # nothing left for the shutdown
