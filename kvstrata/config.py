@@ -140,13 +140,13 @@ class StrataConfig:
     warm_start_bytes: int = 0
     # Writing chunks down to the lower tiers (compression, LMDB puts, syncs). "auto": at idle
     # CPU priority (tiers/priority.py), so it takes only cores serving leaves idle, until the
-    # write-behind falls behind (chunks postponed, half its host-slot budget held) while what
-    # it wrote is read back (tiers/hierarchy/reuse.py); then also on normal-priority threads,
-    # since an engine that keeps every core busy (vLLM on CPU under load) gives idle threads no
-    # CPU and the host tier would evict what the disk never got (docs/BENCHMARKS.md, "The
-    # write-behind held the host tier"); a workload that never comes back for what it stored
-    # keeps them idle (catching up would cost it its cores). "idle": always idle; "normal":
-    # never lowered.
+    # write-behind falls behind (chunks postponed, half its host-slot budget held); then also
+    # on normal-priority threads, since an engine that keeps every core busy (vLLM on CPU under
+    # load) gives idle threads no CPU and the host tier would evict what the disk never got
+    # (docs/BENCHMARKS.md, "The write-behind held the host tier", "Catching up without waiting
+    # for reuse"). "idle": always idle (a CPU-bound engine whose workload never comes back for
+    # what it stored saves the catch-up's cost, about 7 % of its time here; one that does
+    # loses chunks); "normal": never lowered.
     background_priority: str = "auto"
     # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and
     # those dropped or failed while the host tier still holds them), so a restart finds

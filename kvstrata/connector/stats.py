@@ -40,7 +40,7 @@ GAUGES = (
     "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt", "disk_forged",
     "promotions", "warm_promotions", "writes_behind",
     # Disk writes run on normal-priority threads to catch up, and the share of what the disk
-    # was given that requests came back for (the catch-up's gate; tiers/hierarchy/reuse.py).
+    # was given that requests came back for (tiers/hierarchy/reuse.py).
     "disk_writes_urgent", "disk_write_reuse",
     # The shared tier: whether it answers now, bytes moved, values served, and what went wrong
     # (errors: failed or refused calls; unavailable_skips: calls not made while it was down;

@@ -76,9 +76,9 @@ class Hierarchy:
             slot (``write_behind``). Default: half the host tier.
         idle_writes: write-behind threads run at idle CPU priority (``tiers.priority``).
         urgent_writes: with ``idle_writes``, writes run on normal-priority threads while the
-            write-behind is behind and its writes are read back (``write_behind``, ``reuse``).
-        write_reuse_half_life_bytes: how fast that evidence fades (and how long a fresh tier
-            is assumed to be read back); default twice the host tier.
+            write-behind is behind (``write_behind``).
+        write_reuse_half_life_bytes: how fast the ``write_reuse`` gauge forgets (``reuse``);
+            default twice the host tier.
         retry_failed_after_s: a chunk whose promotion failed is a miss for this long (unless
             stored again), then its tiers are asked again (``shared.FailedPromotions``).
         clock: monotonic seconds for ``retry_failed_after_s`` (``time.monotonic``; tests pass

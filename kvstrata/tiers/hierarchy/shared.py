@@ -92,8 +92,8 @@ class TierLink:
     # lane's thread comes first runs the oldest (``WriteBehind``). A deque: threads pop, the
     # loop appends, no lock needed.
     waiting_writes: deque[tuple[Any, bytes, int, int]] = field(default_factory=deque)
-    # Whether this tier's writes are read back: decides if the urgent threads may run them
-    # (``reuse``; the hierarchy sizes its half-life by the host tier).
+    # Whether this tier's writes are read back: the ``write_reuse`` gauge (``reuse``; the
+    # hierarchy sizes its half-life by the host tier).
     reuse: ReuseMeter = field(default_factory=lambda: ReuseMeter(1 << 30))
 
     @property

@@ -15,11 +15,14 @@ of it), so a store always finds slots to evict. Beyond that (or beyond a "drop" 
 budget) writes are postponed without a slot reference: the oldest postponed chunk still in the host tier is written
 whenever the budget has room again, and one the host tier evicts first is counted lost. Where
 the write threads run at idle priority, the write-behind uses the tier's normal-priority threads
-(``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used)
-and the tier's writes are read back (``reuse``): idle threads alone get no CPU on an engine
-that keeps every core busy, and the host tier then drops what the disk never got
-(docs/BENCHMARKS.md, "The write-behind held the host tier"); but on a workload that never
-comes back for what it stored, catching up only costs the engine its cores.
+(``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used):
+idle threads alone get no CPU on an engine that keeps every core busy, and the host tier then
+drops what the disk never got (docs/BENCHMARKS.md, "The write-behind held the host tier").
+It does so whether or not the tier's writes have been read back yet: waiting for that evidence
+lost a fifth of a multi-round workload's reusable chunks, since a session's second round comes
+back only after every other session's first was stored (docs/BENCHMARKS.md, "Catching up
+without waiting for reuse"); a workload that never reuses pays the catch-up instead (about 7 %
+of its time on a CPU-bound engine; ``background_priority: idle`` turns it off).
 Writes wait in one queue per tier, oldest first, and a thread takes the oldest: each write
 queued sends one idle thread, and one normal-priority thread too while the write-behind is
 behind, so the normal-priority threads run as many writes as were queued while behind (running
@@ -84,9 +87,8 @@ class WriteBehind:
 
     def catch_up(self, link: TierLink) -> bool:
         """Whether the next write of ``link`` also goes to its normal-priority threads: it is
-        behind, and its writes are read back (``reuse``: catching up costs a CPU-bound engine
-        its cores, worth it only when the writes serve). A hint, read without the lock."""
-        return link.urgent_pool is not None and self.behind(link) and link.reuse.paying()
+        behind (module docstring). A hint, read without the lock."""
+        return link.urgent_pool is not None and self.behind(link)
 
     # ---- under the lock ------------------------------------------------------------------------
 
