@@ -145,7 +145,7 @@ class StrataConfig:
     # load) gives idle threads no CPU and the host tier would evict what the disk never got
     # (docs/BENCHMARKS.md, "The write-behind held the host tier", "Catching up without waiting
     # for reuse"). "idle": always idle (a CPU-bound engine whose workload never comes back for
-    # what it stored saves the catch-up's cost, about 7 % of its time here; one that does
+    # what it stored saves the catch-up's cost, 6-10 % of its time here; one that does
     # loses chunks); "normal": never lowered.
     background_priority: str = "auto"
     # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and

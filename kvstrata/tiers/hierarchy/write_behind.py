@@ -21,7 +21,7 @@ drops what the disk never got (docs/BENCHMARKS.md, "The write-behind held the ho
 It does so whether or not the tier's writes have been read back yet: waiting for that evidence
 lost a fifth of a multi-round workload's reusable chunks, since a session's second round comes
 back only after every other session's first was stored (docs/BENCHMARKS.md, "Catching up
-without waiting for reuse"); a workload that never reuses pays the catch-up instead (about 7 %
+without waiting for reuse"); a workload that never reuses pays the catch-up instead (6-10 %
 of its time on a CPU-bound engine; ``background_priority: idle`` turns it off).
 Writes wait in one queue per tier, oldest first, and a thread takes the oldest: each write
 queued sends one idle thread, and one normal-priority thread too while the write-behind is
