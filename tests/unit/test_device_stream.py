@@ -115,6 +115,44 @@ def test_kernel_block_split_views_through_dma_descriptors():
         assert torch.equal(model.page(name, 0, 6), model.page(name, 0, 3))
 
 
+def test_a_group_whose_layers_are_placed_differently_round_trips():
+    """One plan per page shape (a dense layer, one with the block dim inside its page, another
+    dense one): each layer's descriptors address its own pages, and a load moves exactly them."""
+    from kvstrata.tiers.device.layout import layer_pages
+    from kvstrata.tiers.device.stream import plan_layers
+
+    blocks, heads, tokens, dim = 12, 2, 4, 8
+    raw = torch.randint(-128, 128, (3 * blocks * heads * tokens * dim * 2,), dtype=torch.int8)
+    part = raw.view(torch.bfloat16).chunk(3)
+    caches = {
+        "a": part[0].view(blocks, heads, tokens, dim),
+        "b": part[1].view(heads, blocks, tokens, dim).permute(1, 0, 2, 3),  # block dim inside
+        "c": part[2].view(blocks, heads, tokens, dim),
+    }
+    plans = plan_layers([layer_pages(t, blocks, n) for n, t in caches.items()])
+    assert [p.index.tolist() for p in plans] == [[0, 2], [1]]
+    page = heads * tokens * dim * 2
+    host = torch.zeros(2, 3 * BPC * page, dtype=torch.uint8)
+    dev = FakeDevice([raw], [host], host_pinned=True)
+    stager = StreamStager(caches, [list(caches)], host, backend=dev, num_blocks=blocks,
+                          blocks_per_chunk=BPC, shard_bytes=3 * BPC * page, host_pinned=True)
+
+    def pages(t: torch.Tensor, ids: list[int]) -> torch.Tensor:  # bytes: random bf16 has NaNs
+        return t[ids].contiguous().view(torch.int8)
+
+    want = {n: pages(t, [1, 2, 4]) for n, t in caches.items()}
+    before = {n: t.clone() for n, t in caches.items()}
+    stager.store(1, [Transfer(0, 0, 0, [1, 2, 0, 4])])
+    dev.run()
+    stager.load(2, [Transfer(0, 0, 0, [7, 8, 0, 9])])
+    dev.run()
+    assert stager.poll() == [(1, True), (2, True)]
+    for n, t in caches.items():
+        assert torch.equal(pages(t, [7, 8, 9]), want[n]), n
+        others = [b for b in range(blocks) if b not in (7, 8, 9)]
+        assert torch.equal(pages(t, others), pages(before[n], others)), n
+
+
 def test_adjacent_pages_merge_into_one_copy():
     from kvstrata.tiers.device.stream import merge_adjacent
 

@@ -33,7 +33,7 @@ import torch
 
 from kvstrata.tiers.device.accel import CopyDevice, TorchCopyDevice
 from kvstrata.tiers.device.base import DeviceStager, Direction, StagerGeometry
-from kvstrata.tiers.device.layout import LayerPages, Transfer, block_runs
+from kvstrata.tiers.device.layout import NULL_BLOCK, LayerPages, Transfer, block_runs
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.priority import name_this_thread
 
@@ -52,15 +52,41 @@ class _Job:
 
 
 @dataclass(frozen=True)
-class _LayerPlan:
-    """Where one layer's page bytes are: block ``b``'s fragment ``i`` is ``size`` bytes at
-    ``base + b * stride + dev[i]`` on the device and at ``host[i]`` in the page's slab bytes."""
+class LayersPlan:
+    """Layers of one group whose pages split into the same fragments: block ``b``'s fragment
+    ``i`` of layer ``k`` is ``size`` bytes at ``base[k] + b * stride[k] + dev[i]`` on the device
+    and at ``host[i]`` in that layer's page in the slot, the ``index[k]``-th of the group's.
 
-    base: int
-    stride: int
+    One plan covers a whole group in the usual case, so a job's descriptors are one numpy
+    broadcast per group, not a Python loop over layers and chunks (that loop took 17 ms of the
+    engine thread per GiB on an H200, half the job's time: docs/BENCHMARKS.md "GPU")."""
+
+    index: np.ndarray
+    base: np.ndarray
+    stride: np.ndarray
     dev: np.ndarray
     host: np.ndarray
     size: int
+
+
+def plan_layers(layers: Sequence[LayerPages]) -> list[LayersPlan]:
+    """The group's layers bucketed by fragment shape, in order of first appearance."""
+    buckets: dict[tuple[bytes, bytes, int], list[tuple[int, LayerPages]]] = {}
+    frags: dict[tuple[bytes, bytes, int], tuple[np.ndarray, np.ndarray, int]] = {}
+    for k, lp in enumerate(layers):
+        dev, host, size = page_fragments(lp)
+        key = (dev.tobytes(), host.tobytes(), size)
+        buckets.setdefault(key, []).append((k, lp))
+        frags.setdefault(key, (dev, host, size))
+    return [
+        LayersPlan(
+            np.array([k for k, _ in members], np.int64),
+            np.array([lp.rows.data_ptr() for _, lp in members], np.int64),
+            np.array([lp.rows.stride(0) for _, lp in members], np.int64),
+            *frags[key],
+        )
+        for key, members in buckets.items()
+    ]
 
 
 def page_fragments(layer: LayerPages) -> tuple[np.ndarray, np.ndarray, int]:
@@ -140,10 +166,7 @@ class StreamStager(DeviceStager):
                 d: ThreadPoolExecutor(1, thread_name_prefix=f"kvstrata-{d}", initializer=name_this_thread)
                 for d in ("store", "load")
             }
-        self._plans = [
-            [_LayerPlan(lp.rows.data_ptr(), lp.rows.stride(0), *page_fragments(lp)) for lp in layers]
-            for layers in self._layers
-        ]
+        self._plans = [plan_layers(layers) for layers in self._layers]
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -270,20 +293,29 @@ class StreamStager(DeviceStager):
         self, direction: Direction, transfers: list[Transfer]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Raw-pointer copies of a validated job, merged where both sides are adjacent."""
+        by_group: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for t in transfers:
+            ids = np.asarray(t.block_ids, np.int64)
+            real = np.flatnonzero(ids != NULL_BLOCK)
+            if len(real):
+                # Host address of each real block's page in the slot's first layer.
+                first_page = (self._host_ptr + t.slot * self.slot_bytes + self._shard_offset
+                              + (t.first_block + real) * self.group_page_bytes[t.group])
+                by_group.setdefault(t.group, []).append((ids[real], first_page))
         srcs: list[np.ndarray] = []
         dsts: list[np.ndarray] = []
         sizes: list[np.ndarray] = []
-        for t in transfers:
-            runs, _ = block_runs(t.first_block, t.block_ids)
-            if not runs:
-                continue
-            pos = np.concatenate([np.arange(j0, j0 + len(ids)) for j0, ids in runs]).astype(np.int64)
-            blocks = np.concatenate([np.asarray(ids, np.int64) for _, ids in runs])
-            page = self.group_page_bytes[t.group]
-            shard = self._host_ptr + t.slot * self.slot_bytes + self._shard_offset
-            for li, plan in enumerate(self._plans[t.group]):
-                dev = (plan.base + blocks * plan.stride)[:, None] + plan.dev[None, :]
-                host = (shard + (li * self.bpc + pos) * page)[:, None] + plan.host[None, :]
+        for g, parts in by_group.items():
+            blocks = np.concatenate([b for b, _ in parts])
+            first_page = np.concatenate([h for _, h in parts])
+            layer_bytes = self.bpc * self.group_page_bytes[g]
+            for plan in self._plans[g]:
+                # [layer, block, fragment] -> flat, so a block's fragments and a run of
+                # adjacent blocks of one layer stay neighbours for merge_adjacent.
+                dev = ((plan.base[:, None] + blocks[None, :] * plan.stride[:, None])[:, :, None]
+                       + plan.dev[None, None, :])
+                host = ((plan.index[:, None] * layer_bytes + first_page[None, :])[:, :, None]
+                        + plan.host[None, None, :])
                 dev, host = dev.reshape(-1), host.reshape(-1)
                 srcs.append(dev if direction == "store" else host)
                 dsts.append(host if direction == "store" else dev)
