@@ -3,22 +3,30 @@
 Meant for the first minutes of any session with a CUDA (or XPU) device, in under 8 minutes:
 
 1. ``cuda_tests``: the ``cuda``-marked tests (``pytest -m cuda tests/unit``): the real device path
-   (round trips on every layout, a load finishing while compute is busy, no device memory held);
-2. ``stager``: ``StreamStager`` store (device -> host) and load (host -> device) throughput of a
+   on caches vLLM's own code builds (round trips on every layout, a load finishing while compute
+   is busy, no device memory held); skipped where vLLM's Python package is not installed;
+2. ``stream_contract``: the same rules on synthetic KV (``kvstrata.tools.gpu_contract``): needs
+   only torch and vLLM's compiled copy op, so it runs on a machine where vLLM cannot be installed
+   (``benchmarks/device/``);
+3. ``stager``: ``StreamStager`` store (device -> host) and load (host -> device) throughput of a
    1 GiB job of scattered vLLM-shaped pages into a pinned slab, against a plain pinned
-   ``copy_`` (one cudaMemcpyAsync) of the same bytes; goal >= 0.8x each way;
-3. ``demo``: the demo's three TTFTs (cold, host tier, disk tier after a restart) with
+   ``copy_`` (one cudaMemcpyAsync) of the same bytes; goal >= 0.8x each way; and the time the
+   engine thread spends submitting one such job (``*_submit_ms``);
+4. ``demo``: the demo's three TTFTs (cold, host tier, disk tier after a restart) with
    SmolLM2-135M-Instruct (``kvstrata demo --json``);
-4. ``decode``: inter-token latency of running requests with and without a concurrent 4k-token
+5. ``decode``: inter-token latency of running requests with and without a concurrent 4k-token
    load from the host tier (``kvstrata.tools.gpu_decode``); goal <= 1.1x.
 
 Prints one JSON object (``status``: ok, failed, or skipped without a device). Sections run in
-turn; one that fails is reported and the next still runs; each has its own time limit.
+turn; one that fails is reported and the next still runs; each has its own time limit. A section
+that cannot run here (no vLLM engine on the machine) is ``skipped`` with its reason and does not
+fail the check.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kvstrata.tools import gpu_contract
 
 ROOT = Path(__file__).resolve().parents[2]
 GOALS = {"store_vs_copy": 0.8, "load_vs_copy": 0.8, "itl_ratio": 1.1}
@@ -41,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=32, help="chunks per job (32 x 32 MiB)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["cuda_tests", "stager", "demo", "decode"],
+                        choices=["cuda_tests", "stream_contract", "stager", "demo", "decode"],
                         help="leave a section out (repeatable)")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 without a device")
 
@@ -116,6 +126,8 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
         }
         t_store = _timed(lambda: run(stager.store), mod.synchronize, args.reps)
         t_load = _timed(lambda: run(stager.load), mod.synchronize, args.reps)
+        submit = {d: _submit_seconds(stager, getattr(stager, d), transfers, jobs, args.reps)
+                  for d in ("store", "load")}
         store_gbps, load_gbps = nbytes / t_store / 1e9, nbytes / t_load / 1e9
         d2h, h2d = nbytes / ref["d2h"] / 1e9, nbytes / ref["h2d"] / 1e9
         stager.close()
@@ -129,12 +141,35 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
             "load_GBps": round(load_gbps, 2),
             "copy_d2h_pinned_GBps": round(d2h, 2),
             "copy_h2d_pinned_GBps": round(h2d, 2),
+            "store_submit_ms": round(submit["store"] * 1e3, 2),
+            "load_submit_ms": round(submit["load"] * 1e3, 2),
             "store_vs_copy": round(store_gbps / d2h, 3),
             "load_vs_copy": round(load_gbps / h2d, 3),
             "device_bytes_allocated_after_jobs": allocated,
         }
     finally:
         slab.close()
+
+
+def _submit_seconds(stager, submit, transfers, jobs, reps: int) -> float:
+    """Engine-thread time of one job: until ``store``/``load`` returns (the copies run after)."""
+    best = float("inf")
+    for _ in range(reps):
+        job = next(jobs)
+        t0 = time.perf_counter()
+        submit(job, transfers)
+        best = min(best, time.perf_counter() - t0)
+        stager.wait([job])
+        stager.poll()
+    return best
+
+
+def _vllm_missing() -> str | None:
+    try:
+        found = importlib.util.find_spec("vllm.v1.kv_cache_interface") is not None
+    except ImportError:
+        found = False
+    return None if found else "vLLM's Python package is not installed (the tests build caches with it)"
 
 
 def _last_json(text: str) -> dict[str, Any] | None:
@@ -160,6 +195,8 @@ def _child(name: str, cmd: list[str]) -> dict[str, Any]:
 
 
 def run_cuda_tests() -> dict[str, Any]:
+    if (why := _vllm_missing()) is not None:
+        return {"status": "skipped", "reason": why}
     r = _child("cuda_tests", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs",
                               "-p", "no:cacheprovider", "tests/unit"])
     if "exit_code" not in r:
@@ -173,6 +210,8 @@ def run_cuda_tests() -> dict[str, Any]:
 
 
 def run_demo() -> dict[str, Any]:
+    if (why := _vllm_missing()) is not None:
+        return {"status": "skipped", "reason": why}
     store = tempfile.mkdtemp(prefix="kvstrata-gpu-check-demo-")
     r = _child("demo", [sys.executable, "-m", "kvstrata.tools.cli", "demo", "--json",
                         "--store", store])
@@ -190,6 +229,8 @@ def run_demo() -> dict[str, Any]:
 
 
 def run_decode() -> dict[str, Any]:
+    if (why := _vllm_missing()) is not None:
+        return {"status": "skipped", "reason": why}
     r = _child("decode", [sys.executable, "-m", "kvstrata.tools.gpu_decode"])
     if "exit_code" not in r:
         return r
@@ -207,6 +248,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"status": "ok", "device": name, "goals": GOALS}
     sections = {
         "cuda_tests": run_cuda_tests,
+        "stream_contract": lambda: gpu_contract.check(device),
         "stager": lambda: measure_stager(args, device),
         "demo": run_demo,
         "decode": run_decode,
@@ -221,7 +263,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
             out = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
         out["seconds"] = round(time.monotonic() - s0, 1)
         result[section] = out
-        if out.get("status") != "ok":
+        if out.get("status") not in ("ok", "skipped"):
             result["status"] = "failed"
     stager, decode = result.get("stager", {}), result.get("decode", {})
     result["meets_goals"] = {
