@@ -33,10 +33,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.tools import gpu_contract
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.device import DeviceStager, Transfer
 
 ROOT = Path(__file__).resolve().parents[2]
 GOALS = {"store_vs_copy": 0.8, "load_vs_copy": 0.8, "itl_ratio": 1.1}
@@ -151,7 +155,8 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
         slab.close()
 
 
-def _submit_seconds(stager, submit, transfers, jobs, reps: int) -> float:
+def _submit_seconds(stager: DeviceStager, submit: Callable[[int, list[Transfer]], None],
+                    transfers: list[Transfer], jobs: Iterator[int], reps: int) -> float:
     """Engine-thread time of one job: until ``store``/``load`` returns (the copies run after)."""
     best = float("inf")
     for _ in range(reps):
