@@ -58,8 +58,8 @@ class LayersPlan:
     and at ``host[i]`` in that layer's page in the slot, the ``index[k]``-th of the group's.
 
     One plan covers a whole group in the usual case, so a job's descriptors are one numpy
-    broadcast per group, not a Python loop over layers and chunks (that loop took 17 ms of the
-    engine thread per GiB on an H200, half the job's time: docs/BENCHMARKS.md "GPU")."""
+    broadcast per group, not a Python loop over layers and chunks (on an H200 that loop was
+    about a third of a 1 GiB job's 32 ms, on the engine thread: docs/BENCHMARKS.md "GPU")."""
 
     index: np.ndarray
     base: np.ndarray
