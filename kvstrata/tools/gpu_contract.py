@@ -29,7 +29,8 @@ BPC = 4
 
 
 class _Rig:
-    """Synthetic KV on the device, a slab in /dev/shm, and a ``StreamStager`` between them."""
+    """Synthetic KV on the device, a slab in /dev/shm, and a ``StreamStager`` between them; a
+    context manager that closes both."""
 
     def __init__(self, device: str, *, pin: bool, slots: int = 16) -> None:
         from kvstrata.tiers.device import DeviceStager, StreamStager
@@ -41,16 +42,23 @@ class _Rig:
         name = f"gpu-contract-{os.getpid()}-{time.monotonic_ns()}"
         self.slab = HostSlab(default_slab_path(name), self.kv.shard_bytes, slots)
         self.slab.unlink()
-        self.stager = DeviceStager(self.kv.caches, [list(self.kv.caches)], self.slab,
-                                   num_blocks=self.kv.num_blocks, blocks_per_chunk=BPC,
-                                   shard_bytes=self.kv.shard_bytes, pin=pin)
-        assert isinstance(self.stager, StreamStager), type(self.stager).__name__
+        try:
+            self.stager = DeviceStager(self.kv.caches, [list(self.kv.caches)], self.slab,
+                                       num_blocks=self.kv.num_blocks, blocks_per_chunk=BPC,
+                                       shard_bytes=self.kv.shard_bytes, pin=pin)
+            assert isinstance(self.stager, StreamStager), type(self.stager).__name__
+        except BaseException:
+            self.slab.close()
+            raise
 
     def pages(self, ids: list[int]) -> Any:
         kv = self.kv
         return kv.raw.view(len(kv.caches), kv.num_blocks, kv.page)[:, ids].clone()
 
-    def close(self) -> None:
+    def __enter__(self) -> _Rig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.stager.close()
         self.slab.close()
 
@@ -60,8 +68,7 @@ def _round_trip(device: str, pin: bool) -> dict[str, Any]:
 
     from kvstrata.tiers.device import Transfer
 
-    rig = _Rig(device, pin=pin)
-    try:
+    with _Rig(device, pin=pin) as rig:
         st = rig.stager
         src, dst = [[5, 1, 8, 2], [9, 0, 11]], [[20, 21, 22, 23], [30, 0, 31]]
         want = [rig.pages([b for b in s if b]) for s in src]
@@ -80,8 +87,6 @@ def _round_trip(device: str, pin: bool) -> dict[str, Any]:
         assert torch.equal(before.view(n)[:, others], rig.kv.raw.view(n)[:, others]), \
             "a load wrote outside its pages"
         return {"slab_pinned": bool(st.host_pinned)}
-    finally:
-        rig.close()
 
 
 def _overlap(device: str) -> dict[str, Any]:
@@ -90,8 +95,7 @@ def _overlap(device: str) -> dict[str, Any]:
     from kvstrata.tiers.device import Transfer
 
     mod = getattr(torch, device)
-    rig = _Rig(device, pin=True)
-    try:
+    with _Rig(device, pin=True) as rig:
         st = rig.stager
         st.store(1, [Transfer(0, 0, 0, [5, 6, 7, 8])])
         st.wait([1])
@@ -110,8 +114,6 @@ def _overlap(device: str) -> dict[str, Any]:
         assert torch.equal(rig.pages([20, 21, 22, 23]), rig.pages([5, 6, 7, 8])), "wrong pages"
         mod.synchronize()
         return {"slab_pinned": bool(st.host_pinned)}
-    finally:
-        rig.close()
 
 
 def _no_device_memory(device: str) -> dict[str, Any]:
@@ -120,8 +122,7 @@ def _no_device_memory(device: str) -> dict[str, Any]:
     from kvstrata.tiers.device import Transfer
 
     mod = getattr(torch, device)
-    rig = _Rig(device, pin=True)
-    try:
+    with _Rig(device, pin=True) as rig:
         st = rig.stager
         mod.synchronize()
         before = mod.memory_allocated()
@@ -135,8 +136,6 @@ def _no_device_memory(device: str) -> dict[str, Any]:
         st.wait(range(8))
         assert [ok for _, ok in st.poll()] == [True] * 8, "a job failed"
         return {}
-    finally:
-        rig.close()
 
 
 def check(device: str) -> dict[str, Any]:
