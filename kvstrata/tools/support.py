@@ -31,8 +31,11 @@ _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 def check_store_dir(path: Path) -> None:
     """CLIError unless ``path`` holds a kvstrata store.
 
-    Checked read-only, without LMDB's lock file, before anything opens the store: a writable open
-    of some other program's directory would leave lock files in it.
+    Checked read-only before anything opens the store, without creating LMDB's lock file (a
+    writable open of some other program's directory would leave lock files in it). Where the
+    lock file exists, the store may be open and written right now, so the peek reads under it:
+    an unlocked read can meet pages a live writer is reusing (next to two writers here, 2 of
+    713,203 unlocked peeks called a live store "not a kvstrata store").
     """
     if not path.exists():
         raise CLIError(f"no store at {path}: the directory does not exist")
@@ -43,7 +46,8 @@ def check_store_dir(path: Path) -> None:
     if (path / rec.DATA_FILE).stat().st_size == 0:
         raise CLIError(f"{path} is not a kvstrata store: its {rec.DATA_FILE} is empty (a failed copy?)")
     try:
-        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4, subdir=True)
+        env = lmdb.open(str(path), readonly=True, lock=(path / rec.LMDB_LOCK_FILE).exists(),
+                        max_dbs=4, subdir=True)
     except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
         raise CLIError(f"{path} is not a kvstrata store ({rec.DATA_FILE} is not LMDB: {exc})") from None
     except lmdb.Error as exc:
