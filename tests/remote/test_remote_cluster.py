@@ -213,7 +213,9 @@ def test_one_master_hung_costs_one_timeout(cluster: RedisCluster) -> None:
         finally:
             victim.resume()
         eventually(lambda: store.available, "the breaker to close", 10)
-        assert store.contains_many(keys) == [True] * 300  # nothing lost
+        # Nothing lost. The master just resumed may still miss one call's 0.25 s on a loaded
+        # machine (a counted miss, as any timeout): every key is answered again after.
+        eventually(lambda: store.contains_many(keys) == [True] * 300, "every key answered again")
     finally:
         store.close()
 
