@@ -12,13 +12,19 @@ tensors standing in for device memory. Like a real device:
   descriptor buffer reused too early copies the wrong bytes), and every address it touches must
   lie in memory the test registered (``memory``), else the copy raises ``DeviceFault``;
 * ``Event.synchronize`` is the only host wait: it runs every stream until the event completes
-  and is counted (``host_syncs``);
+  and is counted (``host_syncs``) on the engine (main) thread; a copy thread's wait (pacing its
+  calls) lets the device run on by itself and is counted in ``paced_waits``;
 * a copy from or to unpinned host memory (``host_pinned=False``) blocks its caller on a real
   device: the double counts such calls made on the engine (main) thread
-  (``engine_thread_blocks``);
+  (``engine_thread_blocks``), and every copy call made there (``engine_thread_copies``);
+  ``call_sizes`` lists the descriptors of each call, ``most_calls_queued`` the most calls
+  pending on one stream;
 * ``fail_next_copy = k`` makes the next ``copy_batch`` queue only its first ``k`` copies and then
   raise, as a driver error after part of a job was issued; ``fail_query`` makes events' ``query``
   and ``synchronize`` raise (a device error).
+
+The stager issues jobs from copy threads: ``before_run`` (set to ``StreamStager.wait_issued``)
+runs before the test runs streams, so the jobs submitted so far are queued first.
 
 Test-side work on the compute stream (a forward writing blocks, sampling) is queued with
 ``kernel``. ``created_streams`` lists the streams the code under test created, in order.
@@ -68,6 +74,15 @@ class FakeEvent:
     def synchronize(self) -> None:
         if self.dev.fail_query:
             raise RuntimeError("fake device error")
+        if threading.current_thread() is not threading.main_thread():
+            # A copy thread pacing its calls: the device runs on while it sleeps.
+            with self.dev.lock:
+                self.dev.paced_waits += 1
+                self.dev.run_streams()
+            assert self.query(), "event never completes (its stream waits on work never queued)"
+            return
+        if self.dev.before_run is not None:
+            self.dev.before_run()  # outside the lock: the jobs being issued need it
         with self.dev.lock:
             self.dev.host_syncs += 1
             self.dev.run()
@@ -137,10 +152,17 @@ class FakeDevice:
         self.fail_next_copy: int | None = None
         self.fail_query = False
         self.host_syncs = 0
-        self.engine_thread_blocks = 0
+        self.engine_thread_blocks = 0  # copies from pageable memory issued on the engine thread
+        self.engine_thread_copies = 0  # copy ops called on the engine thread at all
         self.copies_run = 0
         self.bytes_copied = 0
         self.descriptor_buffers_made = 0
+        self.call_sizes: list[int] = []  # descriptors per copy_batch call
+        self.most_calls_queued = 0  # copy calls pending on one stream, at most
+        self.paced_waits = 0  # event waits of copy threads keeping calls ahead of the device
+        # Called before the test runs streams: the stager issues jobs from its copy threads, so
+        # a test waits for them to be queued (``StreamStager.wait_issued``) before running them.
+        self.before_run: Callable[[], None] | None = None
 
     @staticmethod
     def _range(t: torch.Tensor) -> _Range:
@@ -154,7 +176,7 @@ class FakeDevice:
         self.created_streams.append(stream)
         return stream
 
-    def new_event(self) -> FakeEvent:
+    def new_event(self, blocking: bool = False) -> FakeEvent:
         return FakeEvent(self)
 
     def current_stream(self, device: Any = None) -> FakeStream:
@@ -179,9 +201,14 @@ class FakeDevice:
         with self.lock:
             stream = self.current_stream()
             assert stream is not self.compute, "copies must run on a dedicated stream"
+            self.call_sizes.append(len(sizes))
+            queued = 1 + sum(op[0] == "copy" for op in stream.ops)
+            self.most_calls_queued = max(self.most_calls_queued, queued)
             n = len(sizes)
-            if not self.host_pinned and threading.current_thread() is threading.main_thread():
-                self.engine_thread_blocks += 1
+            if threading.current_thread() is threading.main_thread():
+                self.engine_thread_copies += 1
+                if not self.host_pinned:
+                    self.engine_thread_blocks += 1
             fail, self.fail_next_copy = self.fail_next_copy, None
             stream.ops.append(("copy", (src, dst, sizes, n if fail is None else fail)))
             if fail is not None:
@@ -204,6 +231,13 @@ class FakeDevice:
     def run(self, *streams: FakeStream, ops: int | None = None) -> int:
         """Run ``streams`` (default: all) until none can progress, or ``ops`` ops; returns the
         ops run."""
+        if self.before_run is not None:
+            self.before_run()
+        return self.run_streams(*streams, ops=ops)
+
+    def run_streams(self, *streams: FakeStream, ops: int | None = None) -> int:
+        """``run`` without waiting for jobs still being issued (what the device does on its own
+        while a copy thread waits for it)."""
         with self.lock:
             chosen = list(streams) or [self.compute, *self.created_streams]
             done = 0
@@ -217,6 +251,8 @@ class FakeDevice:
             return done
 
     def idle(self) -> bool:
+        if self.before_run is not None:
+            self.before_run()
         return not any(s.ops for s in [self.compute, *self.created_streams])
 
     # ---- copies ------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ class CopyDevice(Protocol):
 
     def new_stream(self) -> Any: ...
 
-    def new_event(self) -> Any: ...
+    def new_event(self, blocking: bool = False) -> Any:
+        """An event; ``blocking``: its ``synchronize`` sleeps instead of spinning."""
+        ...
 
     def current_stream(self) -> Any: ...
 
@@ -81,8 +83,9 @@ class TorchCopyDevice:
     def new_stream(self) -> Any:
         return self._mod.Stream(device=self.device)
 
-    def new_event(self) -> Any:
-        return self._mod.Event()
+    def new_event(self, blocking: bool = False) -> Any:
+        # torch.xpu.Event has no blocking flag.
+        return self._mod.Event(blocking=True) if blocking and self.kind == "cuda" else self._mod.Event()
 
     def current_stream(self) -> Any:
         return self._mod.current_stream(self.device)
