@@ -144,7 +144,7 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
         t_load = _timed(lambda: run(stager.load), mod.synchronize, args.reps)
         submit = {d: _submit_seconds(stager, getattr(stager, d), transfers, jobs, args.reps)
                   for d in ("store", "load")}
-        steps = _forward_steps(stager, transfers, jobs, mod, device, max(args.reps, 7))
+        steps = forward_steps(stager, transfers, jobs, mod, device, max(args.reps, 7))
         store_gbps, load_gbps = nbytes / t_store / 1e9, nbytes / t_load / 1e9
         d2h, h2d = nbytes / ref["d2h"] / 1e9, nbytes / ref["h2d"] / 1e9
         stager.close()
@@ -185,16 +185,17 @@ def _submit_seconds(stager: DeviceStager, submit: Callable[[int, list[Transfer]]
     return best
 
 
-def _forward_steps(stager: DeviceStager, transfers: list[Transfer], jobs: Iterator[int],
-                   mod: Any, device: str, reps: int) -> dict[str, float]:
-    """Median time of a synthetic forward (40 bf16 4096x4096 matmuls, then waiting for the
-    compute stream only) alone, and with a store or a load of the whole job submitted on the
+def forward_steps(stager: DeviceStager, transfers: list[Transfer], jobs: Iterator[int],
+                  mod: Any, device: str, reps: int, size: int = 4096) -> dict[str, float]:
+    """Median time of a synthetic forward (40 bf16 ``size`` x ``size`` matmuls, then waiting for
+    the compute stream only) alone, and with a store or a load of the whole job submitted on the
     engine thread just before it, as the connector does at a step's start."""
     import torch
 
-    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(a)
-    compute = mod.current_stream()
+    # torch.cpu's stream has no synchronize (a CPU run only checks this code runs).
+    sync = getattr(mod.current_stream(), "synchronize", None) or mod.synchronize
 
     def step(submit: Callable[[int, list[Transfer]], None] | None) -> float:
         job = next(jobs)
@@ -203,7 +204,7 @@ def _forward_steps(stager: DeviceStager, transfers: list[Transfer], jobs: Iterat
             submit(job, transfers)
         for _ in range(40):
             torch.mm(a, a, out=out)
-        compute.synchronize()
+        sync()
         dt = time.perf_counter() - t0
         if submit is not None:
             stager.wait([job])

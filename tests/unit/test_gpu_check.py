@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -39,3 +40,23 @@ def test_sections_without_vllm_are_skipped_not_failed(monkeypatch):
     for run in (gpu_check.run_cuda_tests, gpu_check.run_demo, gpu_check.run_decode):
         out = run()
         assert out["status"] == "skipped" and "vLLM's Python package" in out["reason"]
+
+
+def test_the_forward_step_measure_runs_its_jobs_to_completion_and_reports_every_field():
+    from kvstrata.tiers.host import HostSlab, default_slab_path
+    from kvstrata.tools.synthetic_kv import synthetic_kv
+
+    kv = synthetic_kv(layers=2, kv_heads=1, block_tokens=4, head_size=8, blocks_per_chunk=2, chunks=2)
+    slab = HostSlab(default_slab_path(f"test-steps-{os.getpid()}"), kv.shard_bytes, 2)
+    slab.unlink()
+    try:
+        stager = kv.stager(slab)
+        transfers = kv.transfers()
+        out = gpu_check.forward_steps(stager, transfers, iter(range(100)), torch.cpu, "cpu", 3, size=32)
+        assert set(out) == {"step_ms_alone", "step_ms_with_store", "step_ms_with_load",
+                            "step_with_job_vs_alone"}
+        assert all(v > 0 for v in out.values())
+        assert stager.pending == 0 and stager.bytes_loaded == stager.bytes_stored > 0
+        stager.close()
+    finally:
+        slab.close()
