@@ -446,13 +446,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCacheLayout.LHBNC])
-def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
-    from kvstrata.tiers.host import HostSlab
-
+def test_cuda_round_trip(layout: KVCacheLayout):
     model = Model(MODELS["sw+fa"](), layout, device="cuda")
     _fill_random(model, 5)
     shard = max(len(g) * BPC * p for g, p in zip(model.groups, model.pages, strict=True))
-    slab = HostSlab(tmp_path / "slab", shard, 8)
+    slab = _device_slab(shard, 8)
     try:
         stager = make_stager(
             model.caches,
@@ -483,13 +481,23 @@ def test_cuda_round_trip(layout: KVCacheLayout, tmp_path):
         slab.close()
 
 
-def _cuda_stager(tmp_path, slots: int = 8):
-    from kvstrata.tiers.host import HostSlab
+def _device_slab(shard: int, slots: int):
+    """A slab where the stager's would be (/dev/shm): on the H200 lent to this project,
+    cudaHostRegister failed on a file mapping under /tmp (docs/BENCHMARKS.md "GPU")."""
+    import uuid
 
+    from kvstrata.tiers.host import HostSlab, default_slab_path
+
+    slab = HostSlab(default_slab_path(f"test-{uuid.uuid4().hex}"), shard, slots)
+    slab.unlink()  # the mapping stays; nothing is left behind
+    return slab
+
+
+def _cuda_stager(slots: int = 8):
     model = Model(MODELS["sw+fa"](), KVCacheLayout.LBNHC, device="cuda")
     _fill_random(model, 9)
     shard = max(len(g) * BPC * p for g, p in zip(model.groups, model.pages, strict=True))
-    slab = HostSlab(tmp_path / "slab", shard, slots)
+    slab = _device_slab(shard, slots)
     stager = make_stager(model.caches, model.groups, slab, num_blocks=model.num_blocks,
                          blocks_per_chunk=BPC, shard_bytes=shard, group_page_bytes=model.pages)
     return model, slab, stager
@@ -501,9 +509,9 @@ _BUSY_CYCLES = 2_000_000_000
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_load_completes_while_the_compute_stream_is_busy(tmp_path):
+def test_cuda_load_completes_while_the_compute_stream_is_busy():
     """A load never makes compute wait and never waits for compute queued after it."""
-    model, slab, stager = _cuda_stager(tmp_path)
+    model, slab, stager = _cuda_stager()
     try:
         stager.store(1, [Transfer(1, 0, 0, [5, 6, 7, 8])])
         stager.wait([1])
@@ -531,8 +539,8 @@ def test_cuda_load_completes_while_the_compute_stream_is_busy(tmp_path):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_jobs_in_flight_hold_no_device_memory(tmp_path):
-    model, slab, stager = _cuda_stager(tmp_path, slots=16)
+def test_cuda_jobs_in_flight_hold_no_device_memory():
+    model, slab, stager = _cuda_stager(slots=16)
     try:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
