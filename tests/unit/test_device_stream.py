@@ -355,8 +355,8 @@ def test_descriptor_buffers_live_until_their_job_completes_then_are_reused():
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
 def test_copies_are_never_issued_from_the_engine_thread(pinned: bool):
-    """The copy op enqueues one copy per descriptor on the host (7-13 ms for a 1 GiB job on an
-    H200), and from pageable memory it blocks its caller until the stream reaches it: jobs go
+    """The copy op's enqueueing took 8-14 ms per 1 GiB job on an H200, and from pageable memory
+    it blocks its caller until the stream reaches it: jobs go
     out from copy threads, the engine thread only hands them over, and jobs still complete by
     poll."""
     _fill_random(MODEL, 11)
