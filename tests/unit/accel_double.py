@@ -160,6 +160,7 @@ class FakeDevice:
         self.call_sizes: list[int] = []  # descriptors per copy_batch call
         self.most_calls_queued = 0  # copy calls pending on one stream, at most
         self.paced_waits = 0  # event waits of copy threads keeping calls ahead of the device
+        self.blocking_events_made = 0
         # Called before the test runs streams: the stager issues jobs from its copy threads, so
         # a test waits for them to be queued (``StreamStager.wait_issued``) before running them.
         self.before_run: Callable[[], None] | None = None
@@ -177,6 +178,7 @@ class FakeDevice:
         return stream
 
     def new_event(self, blocking: bool = False) -> FakeEvent:
+        self.blocking_events_made += blocking
         return FakeEvent(self)
 
     def current_stream(self, device: Any = None) -> FakeStream:

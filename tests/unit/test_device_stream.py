@@ -378,8 +378,8 @@ def test_a_job_goes_out_in_paced_calls_of_bounded_size_and_a_failing_call_ends_i
     """The driver holds a lock while the copy op enqueues and the engine thread's kernel launches
     wait for it (on an H200 a 6.9 ms forward took 13-20 ms while a 16k-descriptor job was
     issued): a job goes out in calls of at most ``descriptors_per_call``, at most ``pace_depth``
-    of them queued ahead of the device, bit-exact; a call failing part-way fails the job once
-    its queued copies ran, and the job makes no later call."""
+    of them queued ahead of the device (on events reused across jobs), bit-exact; a call failing
+    part-way fails the job once its queued copies ran, and the job makes no later call."""
     _fill_random(MODEL, 12)
     host = _host(MODEL, slots=4)
     stager, dev = _fake(MODEL, host, per_call=3, pace=2)
@@ -399,6 +399,7 @@ def test_a_job_goes_out_in_paced_calls_of_bounded_size_and_a_failing_call_ends_i
     dev.run()
     assert stager.poll() == [(2, False), (3, True)]
     assert len(dev.call_sizes) == calls + 1 + calls, "job 2 went on after its failed call"
+    assert dev.blocking_events_made == 2, "pacing events are reused, job after job"
     assert _same(_slot_pages(MODEL, host, 0, 2, 4), _want_pages(MODEL, 0, blocks))
 
 

@@ -188,6 +188,8 @@ class StreamStager(DeviceStager):
         self._plans = [plan_layers(layers) for layers in self._layers]
         self.descriptors_per_call = descriptors_per_call
         self.pace_depth = pace_depth
+        # Pacing events, each list touched only by its direction's copy thread.
+        self._pace_events: dict[str, list[Any]] = {"store": [], "load": []}
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -273,13 +275,18 @@ class StreamStager(DeviceStager):
                     # Host sources (loads) are never written by a device stream: the copy
                     # engine may read them out of stream order, as vLLM's worker lets it.
                     calls, ahead = self._calls(descs), deque[Any]()
+                    # This thread's own events, re-recorded job after job (creating and
+                    # destroying one per call would take the driver's lock as well).
+                    spare = self._pace_events[direction]
                     for i, part in enumerate(calls):
                         if self.pace_depth and len(ahead) >= self.pace_depth:
-                            ahead.popleft().synchronize()  # sleeps, holding no lock
+                            ahead[0].synchronize()  # sleeps, holding no lock
+                            spare.append(ahead.popleft())
                         self._dev.copy_batch(*part, src_order_any=direction == "load")
                         if self.pace_depth and i + 1 < len(calls):
-                            ahead.append(self._dev.new_event(blocking=True))
+                            ahead.append(spare.pop() if spare else self._dev.new_event(blocking=True))
                             ahead[-1].record(stream)
+                    spare.extend(ahead)  # still pending is fine: a record replaces the last
                 except Exception:
                     logger.exception("kvstrata: %s job %d failed", direction, job.job_id)
                     job.ok = False
