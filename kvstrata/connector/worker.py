@@ -87,6 +87,12 @@ class StrataWorker:
     # Called at every step's start, before the forward is launched: the previous step's stores
     # are issued here (their copies then queue behind that step's sampling, not ahead of it).
     def handle_preemptions(self, meta: StrataMetadata) -> None:
+        if self.stager is not None:
+            # The step's inputs and forward are launched next: the copy threads make no call
+            # until it is (start_load_kv or wait_for_save), as each call holds the driver's
+            # lock the launches need (tiers/device/stream.py). Held before the deferred stores
+            # are handed over, so none of their calls goes out first.
+            self.stager.hold_copies()
         self._submit_deferred()
         if not meta.flush:
             return
@@ -99,9 +105,20 @@ class StrataWorker:
         waiting = [j for j in meta.flush if j in self._submitted]
         if waiting:
             assert self.stager is not None
-            self.stager.wait(waiting)
+            self.stager.wait(waiting)  # releases the hold: the forward still comes
+            self.stager.hold_copies()
 
     def start_load_kv(self, meta: StrataMetadata) -> None:
+        # vLLM calls this before the forward when the step has synchronous loads (they feed
+        # it), otherwise once the forward is launched (kv_connector_model_runner_mixin.py).
+        before_forward = any(job.sync for job in meta.loads)
+        if self.stager is not None and not before_forward:
+            self.stager.release_copies()
+        self._start_loads(meta)
+        if self.stager is not None and before_forward:
+            self.stager.hold_copies()  # waiting for the synchronous loads released it
+
+    def _start_loads(self, meta: StrataMetadata) -> None:
         self._submit_deferred()  # a runner that skipped handle_preemptions still issues them
         sync: list[int] = []
         landing: list[int] = []
@@ -131,6 +148,7 @@ class StrataWorker:
     def wait_for_save(self, meta: StrataMetadata) -> None:
         # Called after this step's forward was launched (CPU: after it ran).
         assert self.stager is not None, "register_kv_caches was not called"
+        self.stager.release_copies()
         deferred = {job.job_id for job, _ in self._deferred}
         stores = [j for j in meta.stores if j.job_id not in self._submitted and j.job_id not in deferred]
         if not stores:

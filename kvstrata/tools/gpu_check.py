@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pace-depth", type=int, default=None,
                         help="copy-op calls a copy thread keeps ahead of the device (0: no "
                              "pacing; default: the stager's own)")
+    parser.add_argument("--launch-hold-s", type=float, default=None,
+                        help="the longest copies wait for a forward's launch (0: never held; "
+                             "default: the stager's own)")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["cuda_tests", "stream_contract", "stager", "demo", "decode"],
                         help="leave a section out (repeatable)")
@@ -115,6 +118,8 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
             stager.descriptors_per_call = args.descriptors_per_call
         if args.pace_depth is not None:
             stager.pace_depth = args.pace_depth
+        if args.launch_hold_s is not None:
+            stager.launch_hold_s = args.launch_hold_s
         transfers = kv.transfers()
         jobs = iter(range(1 << 30))
 
@@ -156,6 +161,7 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
             "blocks_per_job": chunks * bpc,
             "descriptors_per_call": stager.descriptors_per_call,
             "pace_depth": stager.pace_depth,
+            "launch_hold_s": stager.launch_hold_s,
             "store_GBps": round(store_gbps, 2),
             "load_GBps": round(load_gbps, 2),
             "copy_d2h_pinned_GBps": round(d2h, 2),
@@ -186,10 +192,14 @@ def _submit_seconds(stager: DeviceStager, submit: Callable[[int, list[Transfer]]
 
 
 def forward_steps(stager: DeviceStager, transfers: list[Transfer], jobs: Iterator[int],
-                  mod: Any, device: str, reps: int, size: int = 4096) -> dict[str, float]:
+                  mod: Any, device: str, reps: int, size: int = 4096) -> dict[str, Any]:
     """Median time of a synthetic forward (40 bf16 ``size`` x ``size`` matmuls, then waiting for
     the compute stream only) alone, and with a store or a load of the whole job submitted on the
-    engine thread just before it, as the connector does at a step's start."""
+    engine thread just before it, the copies held while the forward is launched, as the
+    connector does (``step_*``); ``*_unheld_*``: the same without holding them. ``job_ms_*``:
+    from the submission until the job is done. On CUDA the same forward is also timed captured
+    as one CUDA graph (``graph_*``): vLLM replays its decode steps as graphs, one launch where
+    the eager forward makes 40."""
     import torch
 
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
@@ -197,32 +207,58 @@ def forward_steps(stager: DeviceStager, transfers: list[Transfer], jobs: Iterato
     # torch.cpu's stream has no synchronize (a CPU run only checks this code runs).
     sync = getattr(mod.current_stream(), "synchronize", None) or mod.synchronize
 
-    def step(submit: Callable[[int, list[Transfer]], None] | None) -> float:
-        job = next(jobs)
-        t0 = time.perf_counter()
-        if submit is not None:
-            submit(job, transfers)
+    def eager() -> None:
         for _ in range(40):
             torch.mm(a, a, out=out)
+
+    def step(forward: Callable[[], None], submit: Callable[[int, list[Transfer]], None] | None,
+             held: bool) -> tuple[float, float]:
+        job = next(jobs)
+        t0 = time.perf_counter()
+        if held:
+            stager.hold_copies()
+        if submit is not None:
+            submit(job, transfers)
+        forward()
+        stager.release_copies()
         sync()
         dt = time.perf_counter() - t0
         if submit is not None:
             stager.wait([job])
             stager.poll()
-        return dt
+        return dt, time.perf_counter() - t0
 
-    def median(submit: Callable[[int, list[Transfer]], None] | None) -> float:
-        step(submit)  # warm-up
-        times = sorted(step(submit) for _ in range(reps))
-        return times[len(times) // 2]
+    def median(forward: Callable[[], None], submit: Callable[[int, list[Transfer]], None] | None,
+               held: bool = True) -> tuple[float, float]:
+        step(forward, submit, held)  # warm-up
+        times = sorted(step(forward, submit, held) for _ in range(reps))
+        mid = times[len(times) // 2]
+        return mid[0], sorted(t for _, t in times)[len(times) // 2]
 
-    alone, store, load = median(None), median(stager.store), median(stager.load)
-    return {
-        "step_ms_alone": round(alone * 1e3, 2),
-        "step_ms_with_store": round(store * 1e3, 2),
-        "step_ms_with_load": round(load * 1e3, 2),
-        "step_with_job_vs_alone": round(max(store, load) / alone, 3),
-    }
+    forwards: dict[str, Callable[[], None]] = {"": eager}
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        eager()  # cuBLAS picks its kernels (and workspace) before the capture
+        mod.synchronize()
+        with torch.cuda.graph(graph):
+            eager()
+        forwards["graph_"] = graph.replay
+    result: dict[str, Any] = {}
+    for prefix, forward in forwards.items():
+        alone = median(forward, None)[0]
+        (store, store_job), (load, load_job) = median(forward, stager.store), median(forward, stager.load)
+        (ustore, ustore_job) = median(forward, stager.store, held=False)
+        (uload, uload_job) = median(forward, stager.load, held=False)
+        result |= {
+            f"{prefix}step_ms_alone": round(alone * 1e3, 2),
+            f"{prefix}step_ms_with_store": round(store * 1e3, 2),
+            f"{prefix}step_ms_with_load": round(load * 1e3, 2),
+            f"{prefix}step_with_job_vs_alone": round(max(store, load) / alone, 3),
+            f"{prefix}step_with_job_unheld_vs_alone": round(max(ustore, uload) / alone, 3),
+            f"{prefix}job_ms_store_load": [round(store_job * 1e3, 2), round(load_job * 1e3, 2)],
+            f"{prefix}job_ms_store_load_unheld": [round(ustore_job * 1e3, 2), round(uload_job * 1e3, 2)],
+        }
+    return result
 
 
 def _vllm_missing() -> str | None:

@@ -160,6 +160,18 @@ class DeviceStager(metaclass=_PicksBackend):
         streamed load's chunk that just landed). Raises IndexError for a bad transfer."""
         raise RuntimeError("load_now is for CPU devices; accelerators use load()")
 
+    def hold_copies(self) -> None:
+        """The engine thread is about to launch a forward: copies not yet issued wait until
+        ``release_copies`` (accelerators; a no-op where copies run on the calling thread)."""
+
+    def release_copies(self) -> None:
+        """The forward is launched: held copies go out."""
+
+    @property
+    def copies_held(self) -> bool:
+        """Whether copies not yet issued are being held now (``hold_copies``)."""
+        return False
+
     def poll(self) -> list[tuple[int, bool]]:
         """Jobs finished since the last poll, as ``(job_id, ok)``; never blocks."""
         out, self._results = self._results, []

@@ -17,8 +17,10 @@ The contract is vLLM 0.32's own offloading worker's (``vllm/v1/kv_offload/cpu/gp
   thread, which builds the descriptors and calls the op (the op releases the GIL). The driver
   holds a lock while the op enqueues copies, and the engine thread's kernel launches wait for it,
   so a job goes out in calls of ``DESCRIPTORS_PER_CALL`` descriptors with at most
-  ``PACE_DEPTH`` of them queued ahead of the copy engine (see below). With an unpinned slab a
-  copy also blocks its caller until the stream reaches it.
+  ``PACE_DEPTH`` of them queued ahead of the copy engine (see below); and while the engine
+  thread launches a forward (``hold_copies`` .. ``release_copies``, at most ``LAUNCH_HOLD_S``)
+  the copy threads make no call at all. With an unpinned slab a copy also blocks its caller
+  until the stream reaches it.
 
 Each direction has one stream, so its jobs complete in submission order.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,8 +53,19 @@ logger = logging.getLogger(__name__)
 # a copy thread in one call, 17-18 ms in calls of 256, and 9.5-10.8 ms in calls of 128 kept at
 # most 4 ahead of the copy engine (the copy thread sleeps on an event in between, so the lock is
 # free most of the time the copies take); the copies ran at 0.82-0.85x of one pinned copy.
+# Swept later (descriptors on the copy thread): calls of 32 stalled it 1.37x (copies 0.68-0.74x),
+# 64 1.10x (0.74-0.77x), 256 1.21x, a whole job 2.53x; 128 at depth 2, 3, 4 or 8 alike.
 DESCRIPTORS_PER_CALL = 128
 PACE_DEPTH = 4
+# With the descriptors built on the copy threads and calls paced, a 7 ms forward of 40 launches
+# still took 1.10-1.15x as long with a job (64 MiB to 1 GiB) submitted at its start (1.0-1.06x
+# as one CUDA graph): the copy thread's Python (descriptors, under the GIL) and its calls (the
+# driver's lock) ran while the engine thread launched. Holding the copy threads, descriptors
+# included, until the forward is launched: 1.06-1.07x, the job done about 1 ms later
+# (docs/BENCHMARKS.md "GPU"). The connector holds them from its step's start to the forward's
+# launch (``DeviceStager.hold_copies``/``release_copies``); past this long a hold lapses, so copies
+# never wait on an engine thread that did not release them.
+LAUNCH_HOLD_S = 0.02
 
 
 @dataclass
@@ -145,6 +159,8 @@ class StreamStager(DeviceStager):
         max_stage_bytes: accepted for callers of earlier versions; there is no staging buffer.
         descriptors_per_call: the most descriptors one copy-op call takes (0: a job in one call).
         pace_depth: calls a copy thread keeps queued ahead of the copy engine (0: no pacing).
+        launch_hold_s: the longest ``hold_copies`` keeps the copy threads from calling the op
+            (0: copies are never held).
     """
 
     copies_on_host: ClassVar[bool] = False
@@ -161,6 +177,7 @@ class StreamStager(DeviceStager):
         max_stage_bytes: int | None = None,
         descriptors_per_call: int = DESCRIPTORS_PER_CALL,
         pace_depth: int = PACE_DEPTH,
+        launch_hold_s: float = LAUNCH_HOLD_S,
         **geometry: Unpack[StagerGeometry],
     ) -> None:
         super().__init__(kv_caches, group_layers, host, **geometry)
@@ -190,6 +207,10 @@ class StreamStager(DeviceStager):
         self.pace_depth = pace_depth
         # Pacing events, each list touched only by its direction's copy thread.
         self._pace_events: dict[str, list[Any]] = {"store": [], "load": []}
+        self.launch_hold_s = launch_hold_s
+        self._released = threading.Event()  # clear while the engine thread launches a forward
+        self._released.set()
+        self._hold_ends = 0.0  # time.monotonic() when the current hold lapses
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -197,6 +218,18 @@ class StreamStager(DeviceStager):
         event = self._dev.new_event()
         event.record(self._dev.current_stream())
         return event
+
+    def hold_copies(self) -> None:
+        if self.launch_hold_s > 0:
+            self._hold_ends = time.monotonic() + self.launch_hold_s
+            self._released.clear()
+
+    def release_copies(self) -> None:
+        self._released.set()
+
+    @property
+    def copies_held(self) -> bool:
+        return not self._released.is_set() and time.monotonic() < self._hold_ends
 
     def poll(self) -> list[tuple[int, bool]]:
         for queue in self._inflight.values():
@@ -206,6 +239,7 @@ class StreamStager(DeviceStager):
         return super().poll()
 
     def wait(self, job_ids: Iterable[int]) -> None:
+        self.release_copies()  # an engine thread waiting for copies launches nothing meanwhile
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is not None:
@@ -230,6 +264,7 @@ class StreamStager(DeviceStager):
             return len(self._pool) + sum(len(j.buffers) for j in self._jobs.values())
 
     def close(self) -> None:
+        self.release_copies()
         for queue in self._inflight.values():
             for job in queue:
                 self._sync(job)
@@ -254,6 +289,9 @@ class StreamStager(DeviceStager):
         self._jobs[job_id] = job
 
     def _issue(self, direction: Direction, job: _Job, dep: Any, transfers: list[Transfer]) -> None:
+        # Building the descriptors is Python and numpy under the GIL, which the engine thread's
+        # launches need as well: it waits for the forward's launch like the copy calls.
+        self._wait_for_release()
         try:
             if direction == "store":
                 for t in transfers:
@@ -282,6 +320,7 @@ class StreamStager(DeviceStager):
                         if self.pace_depth and len(ahead) >= self.pace_depth:
                             ahead[0].synchronize()  # sleeps, holding no lock
                             spare.append(ahead.popleft())
+                        self._wait_for_release()
                         self._dev.copy_batch(*part, src_order_any=direction == "load")
                         if self.pace_depth and i + 1 < len(calls):
                             ahead.append(spare.pop() if spare else self._dev.new_event(blocking=True))
@@ -295,6 +334,12 @@ class StreamStager(DeviceStager):
                 job.event.record(stream)
         except Exception:
             self._lost(job, "its stream or event failed")
+
+    def _wait_for_release(self) -> None:
+        """Copy threads: no call while the engine thread launches a forward (the op's enqueueing
+        holds the driver's lock, which each kernel launch takes too), until the hold lapses."""
+        if not self._released.is_set():
+            self._released.wait(max(0.0, self._hold_ends - time.monotonic()))
 
     def _calls(self, descs: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         """The job's descriptors in slices of at most ``descriptors_per_call``."""

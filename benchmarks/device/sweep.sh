@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the GPU machine: run.sh once in full, then the stager section alone for each
+# "descriptors-per-call pace-depth [more gpu-check options]" given (default: a small sweep),
+# one line of the
+# figures that decide the stager's defaults per run. Everything also lands under $OUT.
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp}
+pip list 2>/dev/null | grep -iE "^(vllm|torch|triton) " || true
+python3 -c "import vllm" 2>&1 | tail -1
+summary() {
+    python3 - "$1" <<'PY'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))["stager"]
+except Exception as e:  # noqa: BLE001 - a summary line, never a traceback
+    print("no stager figures:", e); sys.exit()
+keys = ("descriptors_per_call", "pace_depth", "launch_hold_s", "store_vs_copy", "load_vs_copy",
+        "store_submit_ms", "load_submit_ms", "step_ms_alone", "step_with_job_vs_alone",
+        "step_with_job_unheld_vs_alone", "job_ms_store_load", "job_ms_store_load_unheld",
+        "graph_step_ms_alone", "graph_step_with_job_vs_alone",
+        "graph_step_with_job_unheld_vs_alone", "graph_job_ms_store_load",
+        "graph_job_ms_store_load_unheld", "status", "error", "seconds")
+print({k: s[k] for k in keys if k in s})
+PY
+}
+mkdir -p "$OUT/full"
+OUT=$OUT/full bash benchmarks/device/run.sh > "$OUT/full/log" 2>&1
+grep -E "^(gpu_check exit|torch|NVIDIA)" "$OUT/full/log"; summary "$OUT/full/gpu_check.json"
+pairs=("$@"); [ ${#pairs[@]} -gt 0 ] || pairs=("32 4" "64 2" "128 2" "128 8" "256 4" "0 0")
+for pair in "${pairs[@]}"; do
+    set -- $pair
+    d=$OUT/s$(echo "$pair" | tr -c 'a-z0-9.\n' -); mkdir -p "$d"
+    OUT=$d bash benchmarks/device/run.sh --skip stream_contract --descriptors-per-call "$1" \
+        --pace-depth "$2" "${@:3}" > "$d/log" 2>&1
+    summary "$d/gpu_check.json"
+done
