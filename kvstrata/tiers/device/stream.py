@@ -19,7 +19,8 @@ The contract is vLLM 0.32's own offloading worker's (``vllm/v1/kv_offload/cpu/gp
   so a job goes out in calls of ``DESCRIPTORS_PER_CALL`` descriptors with at most
   ``PACE_DEPTH`` of them queued ahead of the copy engine (see below); and while the engine
   thread launches a forward (``hold_copies`` .. ``release_copies``, at most ``LAUNCH_HOLD_S``)
-  the copy threads make no call at all. With an unpinned slab a copy also blocks its caller
+  the copy threads neither build descriptors (Python, under the GIL the launches need too) nor
+  call the op. With an unpinned slab a copy also blocks its caller
   until the stream reaches it.
 
 Each direction has one stream, so its jobs complete in submission order.
@@ -336,8 +337,9 @@ class StreamStager(DeviceStager):
             self._lost(job, "its stream or event failed")
 
     def _wait_for_release(self) -> None:
-        """Copy threads: no call while the engine thread launches a forward (the op's enqueueing
-        holds the driver's lock, which each kernel launch takes too), until the hold lapses."""
+        """Copy threads: no work while the engine thread launches a forward (the op's enqueueing
+        holds the driver's lock and the descriptors' building the GIL, which each kernel launch
+        takes too), until the hold lapses."""
         if not self._released.is_set():
             self._released.wait(max(0.0, self._hold_ends - time.monotonic()))
 
