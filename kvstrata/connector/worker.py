@@ -88,10 +88,10 @@ class StrataWorker:
     # are issued here (their copies then queue behind that step's sampling, not ahead of it).
     def handle_preemptions(self, meta: StrataMetadata) -> None:
         if self.stager is not None:
-            # The step's inputs and forward are launched next: the copy threads do nothing until
-            # it is (start_load_kv or wait_for_save), as their work holds the GIL and the
-            # driver's lock the launches need (tiers/device/stream.py). Held before the deferred
-            # stores are handed over, so none of them starts first.
+            # The step's inputs and forward are launched next: the copy threads start no job
+            # until it is (start_load_kv or wait_for_save), as building one holds the GIL the
+            # launches need (tiers/device/stream.py). Held before the deferred stores are
+            # handed over, so none of them starts first.
             self.stager.hold_copies()
         self._submit_deferred()
         if not meta.flush:

@@ -404,7 +404,18 @@ def test_a_job_goes_out_in_paced_calls_of_bounded_size_and_a_failing_call_ends_i
     assert _same(_slot_pages(MODEL, host, 0, 2, 4), _want_pages(MODEL, 0, blocks))
 
 
-def test_no_copy_call_is_made_while_a_forward_is_launched():
+@pytest.fixture
+def releasing():
+    """Registers stagers whose holds the test sets long: released at teardown even when the test
+    fails, so no copy thread stays blocked (the interpreter joins them at exit)."""
+    stagers: list[StreamStager] = []
+    yield stagers.append
+    for stager in stagers:
+        stager.launch_hold_s = 0.0
+        stager.release_copies()
+
+
+def test_no_copy_call_is_made_while_a_forward_is_launched(releasing):
     """On an H200 a 7 ms forward of 40 launches took 1.07-1.16x as long with a job submitted
     at its start (each copy call holds the driver's lock the launches take, and building the
     descriptors holds the GIL): between ``hold_copies`` and ``release_copies`` the copy threads
@@ -412,6 +423,7 @@ def test_no_copy_call_is_made_while_a_forward_is_launched():
     _fill_random(MODEL, 13)
     host = _host(MODEL)
     stager, dev = _fake(MODEL, host)
+    releasing(stager)
     stager.launch_hold_s = 60.0
     stager.hold_copies()
     assert stager.copies_held
@@ -431,10 +443,46 @@ def test_no_copy_call_is_made_while_a_forward_is_launched():
     stager.close()
 
 
-def test_a_hold_never_outlasts_its_limit_nor_an_engine_thread_waiting_for_copies():
+def test_a_job_under_way_keeps_the_copy_engine_fed_through_a_hold_and_the_next_one_waits(releasing):
+    """Holding a job's copy calls did not shorten the stall on an H200 (holding its start did):
+    a hold arriving mid-job lets that job's calls go on, and only the next job waits."""
+    _fill_random(MODEL, 16)
+    host = _host(MODEL, slots=4)
+    stager, dev = _fake(MODEL, host, per_call=3, pace=2)
+    releasing(stager)
+    stager.launch_hold_s = 3600.0
+    issue = dev.copy_batch
+
+    def next_step_starts_after_the_first_call(*args, **kwargs):
+        issue(*args, **kwargs)
+        if len(dev.call_sizes) == 1:
+            stager.hold_copies()
+
+    dev.copy_batch = next_step_starts_after_the_first_call
+    blocks = [2, 5, 9, 12]  # not adjacent: one descriptor per block and layer
+    calls = -(-len(blocks) * len(MODEL.groups[0]) // 3)
+    assert calls > 2
+    stager.store(1, [Transfer(0, 0, 0, blocks)])
+    stager.store(2, [Transfer(0, 1, 0, blocks)])
+    deadline = time.monotonic() + 30
+    while len(dev.call_sizes) < calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(dev.call_sizes) == calls, "the job under way stopped at the hold"
+    time.sleep(0.1)
+    assert stager.copies_held and len(dev.call_sizes) == calls, "the next job started held"
+    stager.release_copies()
+    stager.wait([1, 2])
+    assert stager.poll() == [(1, True), (2, True)]
+    assert len(dev.call_sizes) == 2 * calls
+    assert _same(_slot_pages(MODEL, host, 0, 1, 4), _want_pages(MODEL, 0, blocks))
+    stager.close()
+
+
+def test_a_hold_never_outlasts_its_limit_nor_an_engine_thread_waiting_for_copies(releasing):
     _fill_random(MODEL, 14)
     host = _host(MODEL)
     stager, dev = _fake(MODEL, host)
+    releasing(stager)
     stager.launch_hold_s = 0.05
     stager.hold_copies()  # never released: the hold lapses
     stager.store(1, [Transfer(0, 3, 0, [6, 7])])
@@ -454,13 +502,14 @@ def test_a_hold_never_outlasts_its_limit_nor_an_engine_thread_waiting_for_copies
     stager.close()
 
 
-def test_the_worker_holds_copies_from_a_step_start_until_its_forward_is_launched():
+def test_the_worker_holds_copies_from_a_step_start_until_its_forward_is_launched(releasing):
     """vLLM 0.32's runner: handle_preemptions at the step's start, then the forward's launch,
     with start_load_kv before it when the step has synchronous loads and after it otherwise,
     then wait_for_save (kv_connector_model_runner_mixin.py)."""
     _fill_random(MODEL, 15)
     host = _host(MODEL)
     worker, stager, dev = _worker(MODEL, host)
+    releasing(stager)
     stager.launch_hold_s = 60.0
     worker.wait_for_save(StrataMetadata(stores=[_job(1, "a", True, 0, 0, [2, 3])]))
     worker.handle_preemptions(StrataMetadata())  # issues the deferred store

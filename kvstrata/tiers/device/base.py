@@ -161,7 +161,7 @@ class DeviceStager(metaclass=_PicksBackend):
         raise RuntimeError("load_now is for CPU devices; accelerators use load()")
 
     def hold_copies(self) -> None:
-        """The engine thread is about to launch a forward: copies not yet issued wait until
+        """The engine thread is about to launch a forward: jobs not yet started wait until
         ``release_copies`` (accelerators; a no-op where copies run on the calling thread)."""
 
     def release_copies(self) -> None:
@@ -169,7 +169,7 @@ class DeviceStager(metaclass=_PicksBackend):
 
     @property
     def copies_held(self) -> bool:
-        """Whether copies not yet issued are being held now (``hold_copies``)."""
+        """Whether jobs not yet started are being held now (``hold_copies``)."""
         return False
 
     def poll(self) -> list[tuple[int, bool]]:

@@ -19,8 +19,7 @@ The contract is vLLM 0.32's own offloading worker's (``vllm/v1/kv_offload/cpu/gp
   so a job goes out in calls of ``DESCRIPTORS_PER_CALL`` descriptors with at most
   ``PACE_DEPTH`` of them queued ahead of the copy engine (see below); and while the engine
   thread launches a forward (``hold_copies`` .. ``release_copies``, at most ``LAUNCH_HOLD_S``)
-  the copy threads neither build descriptors (Python, under the GIL the launches need too) nor
-  call the op. With an unpinned slab a copy also blocks its caller
+  no job starts (its descriptors are built in Python, under the GIL the launches need too). With an unpinned slab a copy also blocks its caller
   until the stream reaches it.
 
 Each direction has one stream, so its jobs complete in submission order.
@@ -60,12 +59,11 @@ DESCRIPTORS_PER_CALL = 128
 PACE_DEPTH = 4
 # With the descriptors built on the copy threads and calls paced, a 7 ms forward of 40 launches
 # still took 1.10-1.15x as long with a job (64 MiB to 1 GiB) submitted at its start (1.0-1.06x
-# as one CUDA graph): the copy thread's Python (descriptors, under the GIL) and its calls (the
-# driver's lock) ran while the engine thread launched. Holding the copy threads, descriptors
-# included, until the forward is launched: 1.06-1.07x, the job done about 1 ms later
-# (docs/BENCHMARKS.md "GPU"). The connector holds them from its step's start to the forward's
-# launch (``DeviceStager.hold_copies``/``release_copies``); past this long a hold lapses, so copies
-# never wait on an engine thread that did not release them.
+# as one CUDA graph). Holding the copy calls until the forward was launched changed nothing;
+# holding the job's start, descriptors included (Python, under the GIL), made it 1.06-1.07x, the
+# job done about 1 ms later (docs/BENCHMARKS.md "GPU"). The connector holds new jobs from its
+# step's start to the forward's launch (``DeviceStager.hold_copies``/``release_copies``); past
+# this long a hold lapses, so jobs never wait on an engine thread that did not release them.
 LAUNCH_HOLD_S = 0.02
 
 
@@ -291,7 +289,9 @@ class StreamStager(DeviceStager):
 
     def _issue(self, direction: Direction, job: _Job, dep: Any, transfers: list[Transfer]) -> None:
         # Building the descriptors is Python and numpy under the GIL, which the engine thread's
-        # launches need as well: it waits for the forward's launch like the copy calls.
+        # launches need as well: a job starts after the forward's launch. A job already under
+        # way goes on meanwhile: its paced calls cost the launches nothing measurable (holding
+        # them did not change the stall; docs/BENCHMARKS.md "GPU") and keep the copy engine fed.
         self._wait_for_release()
         try:
             if direction == "store":
@@ -321,7 +321,6 @@ class StreamStager(DeviceStager):
                         if self.pace_depth and len(ahead) >= self.pace_depth:
                             ahead[0].synchronize()  # sleeps, holding no lock
                             spare.append(ahead.popleft())
-                        self._wait_for_release()
                         self._dev.copy_batch(*part, src_order_any=direction == "load")
                         if self.pace_depth and i + 1 < len(calls):
                             ahead.append(spare.pop() if spare else self._dev.new_event(blocking=True))
@@ -337,9 +336,8 @@ class StreamStager(DeviceStager):
             self._lost(job, "its stream or event failed")
 
     def _wait_for_release(self) -> None:
-        """Copy threads: no work while the engine thread launches a forward (the op's enqueueing
-        holds the driver's lock and the descriptors' building the GIL, which each kernel launch
-        takes too), until the hold lapses."""
+        """Copy threads: no job starts while the engine thread launches a forward (building its
+        descriptors holds the GIL, which each kernel launch takes too), until the hold lapses."""
         if not self._released.is_set():
             self._released.wait(max(0.0, self._hold_ends - time.monotonic()))
 
