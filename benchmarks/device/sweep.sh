@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: run.sh once in full, then the stager section alone for each
-# "descriptors-per-call pace-depth [more gpu-check options]" given (default: a small sweep),
-# one line of the
-# figures that decide the stager's defaults per run. Everything also lands under $OUT.
+# "descriptors-per-call pace-depth [more gpu-check options]" given (default: a small sweep);
+# prints one line per run of the figures that decide the stager's defaults. Everything also
+# lands under $OUT.
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp}
 pip list 2>/dev/null | grep -iE "^(vllm|torch|triton) " || true
