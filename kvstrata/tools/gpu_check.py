@@ -114,12 +114,9 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
         stager = kv.stager(slab)
         # The numbers are only meaningful for the stream path (not a CPU fallback).
         assert isinstance(stager, StreamStager), f"got {type(stager).__name__} on {device}"
-        if args.descriptors_per_call is not None:
-            stager.descriptors_per_call = args.descriptors_per_call
-        if args.pace_depth is not None:
-            stager.pace_depth = args.pace_depth
-        if args.launch_hold_s is not None:
-            stager.launch_hold_s = args.launch_hold_s
+        for knob in ("descriptors_per_call", "pace_depth", "launch_hold_s"):  # default: the stager's
+            if getattr(args, knob) is not None:
+                setattr(stager, knob, getattr(args, knob))
         transfers = kv.transfers()
         jobs = iter(range(1 << 30))
 

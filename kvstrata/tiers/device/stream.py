@@ -19,8 +19,8 @@ The contract is vLLM 0.32's own offloading worker's (``vllm/v1/kv_offload/cpu/gp
   so a job goes out in calls of ``DESCRIPTORS_PER_CALL`` descriptors with at most
   ``PACE_DEPTH`` of them queued ahead of the copy engine (see below); and while the engine
   thread launches a forward (``hold_copies`` .. ``release_copies``, at most ``LAUNCH_HOLD_S``)
-  no job starts (its descriptors are built in Python, under the GIL the launches need too). With an unpinned slab a copy also blocks its caller
-  until the stream reaches it.
+  no job starts (its descriptors are built in Python, under the GIL the launches need too).
+  With an unpinned slab a copy also blocks its caller until the stream reaches it.
 
 Each direction has one stream, so its jobs complete in submission order.
 """
@@ -158,8 +158,8 @@ class StreamStager(DeviceStager):
         max_stage_bytes: accepted for callers of earlier versions; there is no staging buffer.
         descriptors_per_call: the most descriptors one copy-op call takes (0: a job in one call).
         pace_depth: calls a copy thread keeps queued ahead of the copy engine (0: no pacing).
-        launch_hold_s: the longest ``hold_copies`` keeps the copy threads from calling the op
-            (0: copies are never held).
+        launch_hold_s: the longest ``hold_copies`` keeps the copy threads from starting a job
+            (0: jobs are never held).
     """
 
     copies_on_host: ClassVar[bool] = False
