@@ -266,6 +266,7 @@ class Runner:
         self.served: dict[str, dict[str, int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.load_errors: list[str] = []
+        self._position_hashes: dict[str, list[bytes]] = {}  # by request (see _position_hash)
         self.stats: Any = None  # connector stats as vLLM's stats logger sees them
         self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         # Async scheduling: the step whose output the scheduler has not seen yet, and the forward
@@ -424,8 +425,9 @@ class Runner:
     def _emulate_forward(self, so: Any) -> None:
         """Write what this step computes, each value a function of the prefix it depends on.
 
-        Attention groups: every hash block completed by this step gets, in its token slots, the
-        value of its hash (so a block holding a partial tail is checkable up to the boundary).
+        Attention groups: each position this step computes gets a value of the tokens up to it
+        (``_position_hash``), and no other position is written: as in a real forward, a
+        position's bytes never change once computed (a store issued late still copies them).
         Mamba groups: each block completed by this step holds the state at its end; the running
         state block holds the state at the step's end, recognisable only at a hash boundary (0
         elsewhere, never a valid value).
@@ -465,25 +467,22 @@ class Runner:
             # A request that finished before that token was sampled never stores it.
 
     def _write_tokens(self, req: Request, ids: list[int], g: int, bs: int, start: int, end: int) -> None:
-        tph = self.hash_block
-        for hb in range(start // tph, end // tph):
-            b, pos = divmod(hb * tph, bs)
-            h = self._block_hash_at(req, (hb + 1) * tph)
-            if b >= len(ids) or ids[b] == 0 or h is None:
-                continue
-            for rank, layer, page in self._group_pages(g, ids[b]):
-                page[:, pos : pos + tph].fill_(page_value(h, g, layer, rank))
-        # Positions of a hash block the step leaves incomplete (a prompt's tail): each its own
-        # value, a function of the tokens up to it.
-        for p in range(max(start, end - end % tph), end):
+        # Positions whose token is not known yet are written later (``_write_deferred``).
+        for p in range(start, min(end, req.num_tokens)):
             b = p // bs
             if b < len(ids) and ids[b] != 0:
+                h = self._position_hash(req, p)
                 for rank, layer, page in self._group_pages(g, ids[b]):
-                    page[:, p % bs].fill_(page_value(self._position_hash(req, p), g, layer, rank))
+                    page[:, p % bs].fill_(page_value(h, g, layer, rank))
 
-    @staticmethod
-    def _position_hash(req: Request, p: int) -> bytes:
-        return sha256(tuple(req.all_token_ids[: p + 1]))
+    def _position_hash(self, req: Request, p: int) -> bytes:
+        """A hash of tokens ``0..p`` (what the KV at position ``p`` depends on), chained so a
+        request's positions cost one hash each."""
+        chain = self._position_hashes.setdefault(req.request_id, [])
+        tokens = req.all_token_ids
+        while len(chain) <= p:
+            chain.append(sha256((chain[-1] if chain else None, tokens[len(chain)])))
+        return chain[p]
 
     def _write_states(self, req: Request, ids: list[int], g: int, bs: int, start: int, end: int) -> None:
         ends = [(b + 1) * bs for b in range(start // bs, end // bs)]
@@ -505,9 +504,9 @@ class Runner:
     def _check_attended(self, req: Request, ids: list[list[int]], start: int, end: int) -> None:
         """What the forward of positions ``start..end-1`` reads must be there: in every attention
         group, each position a computed token attends (all before it; a sliding window's last W)
-        lies in an allocated block and holds the value written for it (its hash block's, or its
-        own in an incomplete hash block). A null block or a wrong value means the first token
-        would be computed from the wrong KV, which byte counts alone cannot see."""
+        lies in an allocated block and holds the value written for it (a function of the tokens
+        up to it). A null block or a wrong value means the first token would be computed from
+        the wrong KV, which byte counts alone cannot see."""
         tph = self.hash_block
         for g, spec in enumerate(self.kv_config.kv_cache_groups):
             if self._is_state(g):
@@ -516,8 +515,8 @@ class Runner:
             window = self.groups[g].window if self.groups[g].kind == "sw" else 0
             lo = max(0, start - window + 1) if window else 0
             complete_end = end - end % tph
-            # One position per hash block (their values are uniform), every position past the
-            # last complete one.
+            # One position per complete hash block (a block's positions are copied together),
+            # every position past the last complete one.
             positions = sorted({max(lo, q - q % tph) for q in range(lo, complete_end)}
                                | set(range(max(lo, complete_end), end)))
             for q in positions:
@@ -527,10 +526,7 @@ class Runner:
                         f"{req.request_id} g{g}: tokens {start}..{end - 1} attend position {q}, "
                         f"in {'a null block' if b < len(ids[g]) else 'no block'} (block {b})")
                     break
-                h = (self._block_hash_at(req, (q // tph + 1) * tph) if q < complete_end
-                     else self._position_hash(req, q))
-                if h is None:
-                    continue
+                h = self._position_hash(req, q)
                 for rank, layer, page in self._group_pages(g, ids[g][b]):
                     want = page_value(h, g, layer, rank)
                     got = int(page[:, q % bs].flatten()[0].item())
@@ -541,8 +537,9 @@ class Runner:
                         return
 
     def _check_loaded_pages(self, req: Request) -> None:
-        """Every loaded position must hold what the forward wrote for it: each hash block below
-        the loaded boundary (attention), the state at the boundary (Mamba)."""
+        """Every loaded position must hold what the forward wrote for it: the first position of
+        each hash block below the loaded boundary and every position of the one it ends in
+        (attention), the state at the boundary (Mamba)."""
         ids = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)
         cached = req.num_computed_tokens
         local = self._local_hit(req)
@@ -559,19 +556,11 @@ class Runner:
                     end = min((b + 1) * bs, cached)
                     checks = [(f"@{end}", self._block_hash_at(req, end), None)]
                 else:
-                    checks = [
-                        (f"@{p + tph}", self._block_hash_at(req, p + tph), p - b * bs)
-                        for p in range(b * bs, min((b + 1) * bs, cached), tph)
-                        if p + tph <= cached
-                    ]
-                    # The hash block the hit ends in: a complete chunk loaded up to a cap inside
-                    # it holds its hash block's value; a loaded prompt tail (an incomplete hash
-                    # block) each position's own.
-                    tail_hash = self._block_hash_at(req, cached - cached % tph + tph)
-                    checks += [
-                        (f"pos {p}", tail_hash or self._position_hash(req, p), p - b * bs)
-                        for p in range(max(b * bs, cached - cached % tph), min((b + 1) * bs, cached))
-                    ]
+                    top = min((b + 1) * bs, cached)
+                    positions = (set(range(b * bs, top, tph))  # one per hash block's length
+                                 | set(range(max(b * bs, cached - cached % tph), top)))
+                    checks = [(f"pos {p}", self._position_hash(req, p), p - b * bs)
+                              for p in sorted(positions)]
                 for what, h, pos in checks:
                     for rank, layer, page in self._group_pages(g, ids[g][b]):
                         want = page_value(h, g, layer, rank)
