@@ -464,8 +464,12 @@ def corrupt_one_record(store: Path, model: str, prompt: list[int]) -> bytes:
     path = store / "data.mdb"
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         offset = mm.find(needle)
-        assert offset >= 0 and mm.find(needle, offset + 1) < 0, "payload bytes not found once"
-        mm[offset:offset + 16] = bytes(b ^ 0xFF for b in mm[offset:offset + 16])
+        assert offset >= 0, "the record's payload bytes are not in data.mdb"
+        # A freed page may still hold an older copy of them (LMDB copies pages on write): flip
+        # every copy, so the live one is hit whichever it is.
+        while offset >= 0:
+            mm[offset:offset + 16] = bytes(b ^ 0xFF for b in mm[offset:offset + 16])
+            offset = mm.find(needle, offset + 1)
         mm.flush()
     return key
 
