@@ -200,10 +200,13 @@ def test_boundary_lengths_cover_every_boundary() -> None:
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=sorted(CASES))
+def scenario(request: pytest.FixtureRequest, scenarios: Callable[[str], Scenario]) -> Scenario:
+    return scenarios(request.param)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_reset_prefix_cache_then_served_from_host_tier(scenarios: Callable[[str], Scenario], case: str) -> None:
-    scenario = scenarios(case)
+def test_reset_prefix_cache_then_served_from_host_tier(scenario: Scenario) -> None:
     cold, host = scenario.first["cold"], scenario.first["host"]
     assert kvstrata_hits(cold) == 0, dump(cold["metrics"])
     assert token_ids(host) == token_ids(cold)
@@ -223,9 +226,7 @@ def test_reset_prefix_cache_then_served_from_host_tier(scenarios: Callable[[str]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_restart_serves_first_request_from_disk(scenarios: Callable[[str], Scenario], case: str) -> None:
-    scenario = scenarios(case)
+def test_restart_serves_first_request_from_disk(scenario: Scenario) -> None:
     cold = scenario.first["cold"]
     disk = scenario.restart["disk"]
     assert token_ids(disk) == token_ids(cold)
@@ -246,9 +247,7 @@ def test_restart_serves_first_request_from_disk(scenarios: Callable[[str], Scena
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_corrupt_record_is_detected_missed_and_recomputed(scenarios: Callable[[str], Scenario], case: str) -> None:
-    scenario = scenarios(case)
+def test_corrupt_record_is_detected_missed_and_recomputed(scenario: Scenario) -> None:
     cold = scenario.first["cold"]
     clean = scenario.restart["disk"]
     key, steps = scenario.corrupted
@@ -272,9 +271,7 @@ def test_corrupt_record_is_detected_missed_and_recomputed(scenarios: Callable[[s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_store_written_by_another_model_gives_zero_hits(scenarios: Callable[[str], Scenario], case: str) -> None:
-    scenario = scenarios(case)
+def test_store_written_by_another_model_gives_zero_hits(scenario: Scenario) -> None:
     foreign = scenario.foreign["foreign"]
     assert kvstrata_hits(foreign) == 0, dump(foreign["metrics"])
     assert metric(foreign, "external_prefix_cache_hits") == 0, dump(foreign["metrics"])
