@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvstrata import fsmode
 from kvstrata.remote_address import RemoteURLError, parse_remote_url
@@ -92,10 +92,10 @@ class StrataConfig:
     disk_bytes: int = DEFAULT_DISK_BYTES
     disk: bool = True
     blocks_per_chunk: int = 1
-    codec: str = "auto"
+    codec: Literal["auto", "raw"] = "auto"
     zstd_level: int = 1
     admission: int = 1
-    eviction: str = "lru"
+    eviction: Literal["lru", "arc"] = "lru"
     prefetch_concurrency: int = 4
     # Disk -> host read threads (LMDB get + decompress), in the engine-core process beside vLLM's
     # step loop and its workers. "auto": one per core this process may use, at most
@@ -147,7 +147,7 @@ class StrataConfig:
     # for reuse"). "idle": always idle (a CPU-bound engine whose workload never comes back for
     # what it stored saves the catch-up's cost, 6-10 % of its time here; one that does
     # loses chunks); "normal": never lowered.
-    background_priority: str = "auto"
+    background_priority: Literal["auto", "idle", "normal"] = "auto"
     # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and
     # those dropped or failed while the host tier still holds them), so a restart finds
     # them; it waits at most this long, then abandons the rest (logged). null: no bound.

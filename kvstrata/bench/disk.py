@@ -226,7 +226,7 @@ def _workload(args: argparse.Namespace) -> tuple[_Workload, np.ndarray, str]:
         )
     flat = data.view(np.uint8)
     step = max(data.itemsize, chunk_target - chunk_target % data.itemsize)
-    chunks = [memoryview(flat[i : i + step]) for i in range(0, flat.size, step)]
+    chunks = [flat[i : i + step].data for i in range(0, flat.size, step)]
     # store keys: 16-byte namespace + 32-byte "block hash" + 4-byte group, like the connector's
     keys = [
         b"\x00" * 16 + i.to_bytes(32, "big") + (i % 2).to_bytes(4, "big")
@@ -258,7 +258,7 @@ def _round(
     stats = store.stats()
     store.close()
 
-    outs = [memoryview(sink[i : i + work.step]) for i in range(0, work.total, work.step)]
+    outs = [sink[i : i + work.step].data for i in range(0, work.total, work.step)]
     dropped = drop_page_cache([raw_path, store_path / "data.mdb"])
     sink.fill(1)  # a touched destination, like the host slab
     raw_r: dict[str, float] = {}

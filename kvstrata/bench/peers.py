@@ -137,7 +137,7 @@ def ensure_lmcache_venv(venv: Path, say: Any = None) -> Path:
         (site / f"{SHIM_MODULE}.py").write_text(SHIM_SOURCE)
         (site / "zz_kvstrata_lmcache_shim.pth").write_text(f"import {SHIM_MODULE}\n")
         check = subprocess.run([str(python), "-c", "import lmcache, aiofile"], capture_output=True,
-                               timeout=300)
+                               text=True, timeout=300)
         if check.returncode != 0:
             if say:
                 say(f"lmcache: pip install --no-deps lmcache=={LMCACHE_VERSION} aiofile caio")

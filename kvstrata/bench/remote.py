@@ -155,7 +155,7 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
     total = n_chunks * chunk_bytes
     data = synthetic_kv(total, chunk_bytes, args.seed)
     flat = data.view(np.uint8)
-    chunks = [memoryview(flat[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
+    chunks = [flat[i * chunk_bytes:(i + 1) * chunk_bytes].data for i in range(n_chunks)]
     # store keys: 16-byte namespace + 32-byte block hash + 4-byte group, like the connector's
     ns = os.urandom(16)  # a run of its own: nothing of an earlier run (or engine) is read
     keys = [ns + i.to_bytes(32, "big") + (0).to_bytes(4, "big") for i in range(n_chunks)]
@@ -172,7 +172,7 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
                             timeout_s=30.0, write_timeout_s=30.0, max_connections=max(16, threads),
                             auth=ValueAuth(os.urandom(32)))
     sink = np.empty(total, dtype=np.uint8)
-    outs = [memoryview(sink[i * chunk_bytes:(i + 1) * chunk_bytes]) for i in range(n_chunks)]
+    outs = [sink[i * chunk_bytes:(i + 1) * chunk_bytes].data for i in range(n_chunks)]
     pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-remote-read")
     clients: list[Any] = []
     try:
@@ -225,7 +225,9 @@ def load_rate(url: str, args: argparse.Namespace, tokens: int, repeats: int) -> 
             if c is None:
                 c = local.client = plain_client(url)
                 clients.append(c)
-            return c.get(raw_keys[i])
+            value = c.get(raw_keys[i])
+            assert value is None or isinstance(value, bytes)  # a plain client does not decode
+            return value
 
         def plain_get_threads() -> tuple[float, bool]:
             t0 = time.perf_counter()

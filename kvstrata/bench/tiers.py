@@ -177,7 +177,7 @@ def _build_lookup_db(path: str, n: int, ns: bytes):
     t0 = time.perf_counter()
     for start in range(0, n, 20_000):
         disk.put_many(
-            [(ns + _lookup_key(i), value, "int8") for i in range(start, min(n, start + 20_000))]
+            [(ns + _lookup_key(i), value.data, "int8") for i in range(start, min(n, start + 20_000))]
         )
     return disk, time.perf_counter() - t0
 
@@ -288,7 +288,7 @@ def _bench_prefetch(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
     disk = DiskStore(os.path.join(scratch, "prefetch-db"), budget_bytes=1 << 40)
     try:
         for req in keys:
-            disk.put_many([(ns + k, data, "bfloat16") for k in req])
+            disk.put_many([(ns + k, data.data, "bfloat16") for k in req])
         slab = _slab("prefetch", chunk, 2 * per_req + 4)
         h = Hierarchy(
             HostPool(slab),

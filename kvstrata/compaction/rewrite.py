@@ -234,16 +234,15 @@ def _copy_sound_records(src: Path, dst: Path) -> tuple[int, int]:
                     sync=False, metasync=False)
     kept = left_out = 0
     try:
-        # Without txn=: a handle opened inside a read transaction is invalid outside it.
-        h_old = rec.Handles(*(old.open_db(n, create=False) for n in rec.DB_NAMES), old.open_db(None))
+        h_old = rec.Handles.open(old, create=False)
 
         def read(body: Any, buffers: bool = True) -> Any:
             # One short transaction at a time: damage found in one leaves it unusable.
-            with old.begin(buffers=buffers) as txn:
+            with rec.begin(old, buffers=buffers) as txn:
                 return body(txn, h_old)
 
         with new.begin(write=True) as wtxn:
-            h_new = rec.Handles(*(new.open_db(n, txn=wtxn) for n in rec.DB_NAMES), new.open_db(txn=wtxn))
+            h_new = rec.Handles.open(new, wtxn)
             totals = rec.Totals()
             after: bytes | None = None
             while True:

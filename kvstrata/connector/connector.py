@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvstrata import auth, fsmode
@@ -297,6 +298,10 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
         if not bounding or self._kv_cache_manager is None:
             return None
         coordinator = self._kv_cache_manager.coordinator
+        # A group kvstrata does not offload beside one it does: two or more groups, which vLLM
+        # coordinates as a hybrid (the one coordinator with per-group hits).
+        if not isinstance(coordinator, HybridKVCacheCoordinator):
+            return None
         _, per_group = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
         return max(0, min(per_group[g] for g in bounding) - num_computed_tokens)
 

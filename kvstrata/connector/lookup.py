@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -51,6 +52,12 @@ class LookupMixin:
     _allocated: set[int]
     _being_loaded: set[bytes] | None
     _awaiting: set[str]
+
+    if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
+        def _refresh_keys(self, st: RequestState) -> None: ...
+        def _prompt_tail_keys(self, st: RequestState) -> dict[int, bytes] | None: ...
+        def _geom(self, index: int) -> semantics.GroupGeometry: ...
+        def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
 
     # ------------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from vllm.config import ParallelConfig, VllmConfig
@@ -196,7 +197,8 @@ def _drafter_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 def _geometry(gid: int, spec: KVCacheSpec, bpc: int, tph: int, drafter: bool) -> GroupGeometry:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         spec = next(iter(spec.kv_cache_specs.values()))
-    common = dict(
+    geometry = partial(
+        GroupGeometry,
         index=gid,
         tokens_per_block=spec.block_size,
         blocks_per_chunk=bpc,
@@ -204,19 +206,16 @@ def _geometry(gid: int, spec: KVCacheSpec, bpc: int, tph: int, drafter: bool) ->
         is_drafter=drafter,
     )
     if isinstance(spec, SlidingWindowSpec):
-        return GroupGeometry(
+        return geometry(
             kind=GroupKind.SLIDING,
             sliding_window=spec.sliding_window,
             extra_retained_tokens=spec.extra_retained_tokens,
-            **common,
         )
     if isinstance(spec, ChunkedLocalAttentionSpec):
-        return GroupGeometry(
-            kind=GroupKind.CHUNKED_LOCAL, attention_chunk_size=spec.attention_chunk_size, **common
-        )
+        return geometry(kind=GroupKind.CHUNKED_LOCAL, attention_chunk_size=spec.attention_chunk_size)
     if isinstance(spec, MambaSpec):
-        return GroupGeometry(kind=GroupKind.MAMBA, mamba_align=spec.mamba_cache_mode == "align", **common)
-    return GroupGeometry(kind=GroupKind.FULL, **common)
+        return geometry(kind=GroupKind.MAMBA, mamba_align=spec.mamba_cache_mode == "align")
+    return geometry(kind=GroupKind.FULL)
 
 
 def _layer_page_bytes(spec: KVCacheSpec, num_layers: int) -> int:

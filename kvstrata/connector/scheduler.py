@@ -117,7 +117,11 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             st.prompt_tail_hashed = True  # never: no tail, or not served for this layout
             return None
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+        from vllm.v1.core.kv_cache_utils import (
+            BlockHash,
+            generate_block_hash_extra_keys,
+            hash_block_tokens,
+        )
 
         if self._block_hash_fn is None:
             self._block_hash_fn = get_hash_fn_by_name(self.plan.identity.hash_algo)
@@ -125,7 +129,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
 
         def hash_tail(parent: bytes | None, start: int) -> bytes:
             extra, _ = generate_block_hash_extra_keys(req, start, end, 0)
-            return hash_block_tokens(hash_fn, parent, req.all_token_ids[start:end], extra)
+            parent_hash = None if parent is None else BlockHash(parent)
+            return hash_block_tokens(hash_fn, parent_hash, req.all_token_ids[start:end], extra)
 
         keys = semantics.prompt_tail_keys(self.layout, req.block_hashes, end, hash_tail)
         if keys is None:
@@ -363,11 +368,11 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         out, self.stats = self.stats, StrataStats()
         return out
 
-    def _tier_snapshot(self) -> dict[str, int]:
+    def _tier_snapshot(self) -> dict[str, int | float]:
         """Flat per-tier figures for the stats gauges (cumulative, newest wins)."""
         h = self.hierarchy.stats()
         host = h.get("host", {})
-        out = {
+        out: dict[str, int | float] = {
             "host_chunks": int(host.get("used", 0)),
             "host_bytes": int(host.get("used", 0)) * self.plan.slot_bytes,
             "promotions": int(h.get("promotions_completed", 0)),

@@ -8,12 +8,15 @@ Tier gauges (bytes and chunks per tier) are snapshots: the newest one wins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
 
 COUNTERS = {
     "lookups": "Prefix lookups answered by kvstrata",
@@ -119,18 +122,22 @@ class StrataPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM types each of the three as any metric class; each is the one its name says.
+        counter_cls = cast("type[Counter]", self._counter_cls)
+        gauge_cls = cast("type[Gauge]", self._gauge_cls)
+        histogram_cls = cast("type[Histogram]", self._histogram_cls)
         self._counters = {
-            name: self._per_engine(self._counter_cls(
+            name: self._per_engine(counter_cls(
                 name=f"vllm:kvstrata_{name}", documentation=doc, labelnames=labelnames))
             for name, doc in COUNTERS.items()
         }
         self._gauges = {
-            name: self._per_engine(self._gauge_cls(
+            name: self._per_engine(gauge_cls(
                 name=f"vllm:kvstrata_{name}", documentation=f"kvstrata tier figure {name}",
                 labelnames=labelnames, multiprocess_mode="mostrecent"))
             for name in GAUGES
         }
-        self._lookup_delay = self._per_engine(self._histogram_cls(
+        self._lookup_delay = self._per_engine(histogram_cls(
             name="vllm:kvstrata_lookup_delay_seconds",
             documentation="Time from a request's first kvstrata lookup to its answer",
             labelnames=labelnames,

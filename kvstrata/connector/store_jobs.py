@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -40,6 +40,11 @@ class StoreJobsMixin:
     _allocated: set[int]
     _block_jobs: dict[int, set[int]]
     _finished_hand_offs: list[TransferJob]
+
+    if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
+        def _prompt_tail_keys(self, st: RequestState) -> dict[int, bytes] | None: ...
+        def _geom(self, index: int) -> semantics.GroupGeometry: ...
+        def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
 
     def _prompt_tail_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
         """Store the prompt's tail chunk in the step whose forward completes the prompt."""

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, TransferJob
 from kvstrata.connector.plan import KVPlan
-from kvstrata.tiers.device import DeviceStager, allow_amx_tiles, make_stager
+from kvstrata.tiers.device import DeviceStager, Transfer, allow_amx_tiles, make_stager
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.landing import LandingWaiter
 
@@ -183,7 +183,7 @@ class StrataWorker:
         assert self.stager is not None, "register_kv_caches was not called"
         self._submitted[job.job_id] = job
         self._started[job.job_id] = time.perf_counter()
-        copies = [(c.group, c.slot, c.first_block, c.block_ids) for c in job.copies]
+        copies = [Transfer(c.group, c.slot, c.first_block, c.block_ids) for c in job.copies]
         if job.is_store:
             if self.plan.writes_stores:
                 self.stager.store(job.job_id, copies, after=after)

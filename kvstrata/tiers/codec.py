@@ -256,10 +256,10 @@ def encode(data: Buffer, dtype: str, *, key: bytes = b"", level: int = 1,
     payloads: list[Buffer] = []
     coded = False
     for plane in plane_arrays:
-        payload: Buffer = plane
+        payload: Buffer = plane.data  # a row of a C-ordered array: contiguous
         method = PLANE_RAW
         if _worth_trying(plane):
-            packed = comp.compress(plane)
+            packed = comp.compress(plane.data)
             if len(packed) <= plane.size * (1.0 - _MIN_SAVING):
                 payload, method, coded = packed, PLANE_ZSTD, True
         table.append(_PLANE.pack(method, memoryview(payload).nbytes))
@@ -313,7 +313,7 @@ def frame_info(frame: Buffer) -> FrameInfo:
     return FrameInfo(version, codec, name, raw_len, checksum, planes, offset)
 
 
-def _decompress_plane(payload: memoryview, plane_raw: int) -> Buffer:
+def _decompress_plane(payload: memoryview, plane_raw: int) -> bytes:
     # Check the declared size first: a flipped bit in the zstd header must not turn into a
     # multi-GiB allocation.
     try:

@@ -23,11 +23,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstrata.tiers.host import board_fence
 from kvstrata.tiers.priority import name_this_thread
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.device import Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ DEFAULT_TIMEOUT_S = 120.0  # a promotion that never ends (scheduler gone) fails 
 @dataclass
 class _Waiting:
     job_id: int
-    transfers: list  # the stager's Transfer tuples (group, slot, first_block, block_ids)
+    transfers: list[Transfer]
     slots: np.ndarray
     tickets: np.ndarray
     started: float
@@ -62,7 +66,7 @@ class LandingWaiter:
     def __init__(
         self,
         board: np.ndarray,
-        copy: Callable[[object], None] | None,
+        copy: Callable[[Transfer], None] | None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
@@ -72,7 +76,7 @@ class LandingWaiter:
         self._cond = threading.Condition()
         self._jobs: list[_Waiting] = []
         self._results: list[tuple[int, bool]] = []
-        self._ready: list[tuple[int, list]] = []
+        self._ready: list[tuple[int, list[Transfer]]] = []
         self._closed = False
         # Held by the thread while it copies for a job: cancel() waits on it, so no copy of a
         # cancelled job runs after cancel() returned.
@@ -80,7 +84,7 @@ class LandingWaiter:
         self._thread = threading.Thread(target=self._run, name="kvstrata-landing", daemon=True)
         self._thread.start()
 
-    def submit(self, job_id: int, transfers: Sequence, tickets: Sequence[int]) -> None:
+    def submit(self, job_id: int, transfers: Sequence[Transfer], tickets: Sequence[int]) -> None:
         """Watch one load job. A ticket of -1 fails it at once; 0 needs no wait."""
         transfers = list(transfers)
         t = np.asarray(tickets, dtype=np.int64)
@@ -111,7 +115,7 @@ class LandingWaiter:
             return self._cond.wait_for(
                 lambda: self._closed or not any(j.job_id in wanted for j in self._jobs), timeout)
 
-    def take_ready(self) -> list[tuple[int, list]]:
+    def take_ready(self) -> list[tuple[int, list[Transfer]]]:
         """Accelerators: jobs whose every chunk landed, to be submitted to the copy stream."""
         with self._cond:
             out, self._ready = self._ready, []

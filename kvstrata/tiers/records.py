@@ -118,6 +118,26 @@ class Handles:
     meta: Any
     main: Any
 
+    @classmethod
+    def open(cls, env: lmdb.Environment, txn: lmdb.Transaction | None = None, *,
+             create: bool = True) -> Handles:
+        """Open the three named databases and the main one. Without ``txn`` py-lmdb opens each
+        handle in a committed read transaction (a handle opened inside an open read transaction
+        is invalid outside it); with a write ``txn`` they are created when missing."""
+        if txn is None:
+            payload, index, meta = (env.open_db(name, create=create) for name in DB_NAMES)
+            return cls(payload, index, meta, env.open_db(None))
+        payload, index, meta = (env.open_db(name, txn=txn, create=create) for name in DB_NAMES)
+        return cls(payload, index, meta, env.open_db(txn=txn))
+
+
+def begin(env: lmdb.Environment, *, write: bool = False, buffers: bool = False) -> lmdb.Transaction[Any]:
+    """``env.begin`` with ``buffers`` known only at run time (py-lmdb's stubs type a transaction
+    that returns memoryviews apart from one that returns bytes)."""
+    if buffers:
+        return env.begin(write=write, buffers=True)
+    return env.begin(write=write)
+
 
 def live_bytes(txn: lmdb.Transaction, h: Handles) -> int:
     """Bytes of the pages every database uses: what a compacting copy of the file writes."""
@@ -292,7 +312,7 @@ def check(txn: lmdb.Transaction, h: Handles, key: bytes, *, decode: bool = True,
         return True, PAGE_DAMAGED
 
 
-def check_all(read: Callable[[Callable[[lmdb.Transaction, Handles], Any]], Any], keys: Sequence[bytes],
+def check_all(read: Callable[[Callable[[lmdb.Transaction[Any], Handles], Any]], Any], keys: Sequence[bytes],
               *, decode: bool = True) -> list[tuple[bytes, bool, str | None]]:
     """``(key, present, problem)`` for every key, checked in as few read transactions (``read``
     runs a function in one) as the store's damage allows: an LMDB error leaves its transaction
@@ -470,7 +490,7 @@ def orphan_payloads(
     return orphans, lost
 
 
-def payloads_met(txn: lmdb.Transaction, h: Handles, keys: set[bytes]) -> list[bytes]:
+def payloads_met(txn: lmdb.Transaction[bytes], h: Handles, keys: set[bytes]) -> list[bytes]:
     """Those of ``keys`` a walk of the payloads meets in this snapshot: present, though a lookup
     by key missed them (damaged key bytes). One a walk does not meet was deleted."""
     return [k for k in txn.cursor(db=h.payload).iternext(keys=True, values=False) if k in keys]

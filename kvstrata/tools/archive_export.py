@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -63,7 +64,7 @@ def _read_batch(store: DiskStore, keys: list[bytes]) -> list[_Sound | _Bad]:
         if problem is not None:
             out.append(_Bad(key, problem))
             continue
-        sound = store.read(lambda txn, h, k=key: _copy_out(txn, h, k), buffers=True)
+        sound = store.read(partial(_copy_out, key=key), buffers=True)
         if sound is not None:  # None: gone since the check
             out.append(sound)
     return out

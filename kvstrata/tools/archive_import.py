@@ -89,6 +89,7 @@ def _put_payloads(store: DiskStore, batch: list[ArchiveRecord]) -> int:
     def body(txn: lmdb.Transaction, h: rec.Handles) -> int:
         written = 0
         for record in batch:
+            assert record.frame is not None  # pass 2 reads every frame
             # Checked inside the write transaction: a record stored meanwhile by a server keeps
             # its own payload, which its index record describes.
             if txn.get(record.key, db=h.index) is None:

@@ -33,7 +33,7 @@ class _Rig:
     context manager that closes both."""
 
     def __init__(self, device: str, *, pin: bool, slots: int = 16) -> None:
-        from kvstrata.tiers.device import DeviceStager, StreamStager
+        from kvstrata.tiers.device import StreamStager, make_stager
         from kvstrata.tiers.host import HostSlab, default_slab_path
         from kvstrata.tools.synthetic_kv import synthetic_kv
 
@@ -43,10 +43,11 @@ class _Rig:
         self.slab = HostSlab(default_slab_path(name), self.kv.shard_bytes, slots)
         self.slab.unlink()
         try:
-            self.stager = DeviceStager(self.kv.caches, [list(self.kv.caches)], self.slab,
-                                       num_blocks=self.kv.num_blocks, blocks_per_chunk=BPC,
-                                       shard_bytes=self.kv.shard_bytes, pin=pin)
-            assert isinstance(self.stager, StreamStager), type(self.stager).__name__
+            stager = make_stager(self.kv.caches, [list(self.kv.caches)], self.slab,
+                                 num_blocks=self.kv.num_blocks, blocks_per_chunk=BPC,
+                                 shard_bytes=self.kv.shard_bytes, pin=pin)
+            assert isinstance(stager, StreamStager), type(stager).__name__
+            self.stager = stager
         except BaseException:
             self.slab.close()
             raise

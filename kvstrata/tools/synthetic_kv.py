@@ -35,9 +35,9 @@ class SyntheticKV:
         return self.chunks * self.shard_bytes
 
     def stager(self, slab: HostSlab) -> DeviceStager:
-        from kvstrata.tiers.device import DeviceStager
+        from kvstrata.tiers.device import make_stager
 
-        return DeviceStager(self.caches, [list(self.caches)], slab, num_blocks=self.num_blocks,
+        return make_stager(self.caches, [list(self.caches)], slab, num_blocks=self.num_blocks,
                             blocks_per_chunk=self.blocks_per_chunk, shard_bytes=self.shard_bytes)
 
     def transfers(self, seed: int = 0) -> list[Transfer]:

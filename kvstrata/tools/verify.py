@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,7 +92,7 @@ def _unreachable(store: DiskStore, keys: list[bytes]) -> list[bytes]:
     """Those of ``keys`` (found by an earlier scan, absent from a later check) that a scan still
     finds but a lookup by key does not: damaged keys. Both are judged in one read transaction,
     so a record deleted since the scan (evicted by a live server) is gone, not damaged."""
-    def body(txn: lmdb.Transaction, h: rec.Handles) -> list[bytes]:
+    def body(txn: lmdb.Transaction[bytes], h: rec.Handles) -> list[bytes]:
         index, payload = txn.cursor(db=h.index), txn.cursor(db=h.payload)
         lost = {k for k in keys if not index.set_key(k) and not payload.set_key(k)}
         if not lost:
@@ -145,7 +146,7 @@ def _check_orphans(store: DiskStore, found: Findings) -> None:
     lost: set[bytes] = set()
     try:
         for keys in _scan_keys(store, "payload", found):
-            orphans, gone = store.read(lambda txn, h, ks=keys: rec.orphan_payloads(txn, h, ks))
+            orphans, gone = store.read(partial(rec.orphan_payloads, keys=keys))
             found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in orphans if key not in listed)
             lost.update(gone)
         if lost:

@@ -36,14 +36,17 @@ class _StoredCheck:
         core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
         connector = core.scheduler.connector
         self.plan = connector.plan
-        self.disk = next((t for t in connector.scheduler.hierarchy.tiers if t.tier_name == "disk"), None)
-        if self.disk is None:
+        disk = next((t for t in connector.scheduler.hierarchy.tiers if t.tier_name == "disk"), None)
+        if disk is None:
             raise RuntimeError("the connector runs without its disk tier")
+        self.disk = disk
         algo = llm.llm_engine.vllm_config.cache_config.prefix_caching_hash_algo
         self._hash = get_hash_fn_by_name(algo)
         self._hash_block = kv_cache_utils.hash_block_tokens
 
     def keys(self, ids: Sequence[int]) -> _PromptKeys:
+        from vllm.v1.core.kv_cache_utils import BlockHash
+
         from kvstrata import semantics
 
         tph = self.plan.tokens_per_hash
@@ -57,7 +60,8 @@ class _StoredCheck:
         # Plain token prompts: no LoRA, multimodal or salt extra keys.
         tail = semantics.prompt_tail_keys(
             layout, hashes, len(ids),
-            lambda parent, start: self._hash_block(self._hash, parent, ids[start:], None),
+            lambda parent, start: self._hash_block(
+                self._hash, None if parent is None else BlockHash(parent), ids[start:], None),
         )
         return _PromptKeys(hashes, chunks, tail)
 
@@ -181,6 +185,7 @@ def child_main(argv: list[str]) -> int:
         from kvstrata.tiers.disk import DiskStore
 
         # The connector's environment is closed now: opening the store again here is safe.
+        assert opts.store is not None  # the check found the connector's disk tier
         with DiskStore(opts.store, budget_bytes=ts.UNLIMITED, readonly=True) as store:
             fully = skipped + sum(k is not None and check.fully_stored(i, k, store) for i, k in pending)
     result = {

@@ -49,7 +49,7 @@ def _make(path: Path, n: int = 8, **kw: Any) -> dict[bytes, bytes]:
 def _raw(path: Path, fn: Any) -> None:
     """Change the store with raw LMDB (a damaged store, as the tools must meet it)."""
     with lmdb.open(str(path), max_dbs=4) as env, env.begin(write=True) as txn:
-        h = rec.Handles(*(env.open_db(n, txn=txn) for n in rec.DB_NAMES), env.open_db(txn=txn))
+        h = rec.Handles.open(env, txn)
         fn(txn, h)
 
 

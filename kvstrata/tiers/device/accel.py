@@ -58,7 +58,7 @@ class TorchCopyDevice:
     def __init__(self, device: torch.device) -> None:
         self.kind = device.type
         self.device = device
-        self._mod = getattr(torch, self.kind, None)
+        self._mod: Any = getattr(torch, self.kind, None)  # torch.cuda / torch.xpu, checked below
         missing = [
             f"torch.{self.kind}.{name}"
             for name in ("Stream", "Event", "current_stream", "stream")

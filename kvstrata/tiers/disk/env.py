@@ -238,17 +238,14 @@ class StoreEnv:
         env = self.env
         try:
             if self.readonly:
-                # Without txn=, py-lmdb opens each handle in a committed read transaction;
-                # handles opened inside an open read transaction are invalid outside it.
-                return rec.Handles(*(env.open_db(name, create=False) for name in rec.DB_NAMES),
-                                   env.open_db(None))
+                return rec.Handles.open(env, create=False)
             with env.begin(write=True) as txn:
                 main = env.open_db(txn=txn)
                 # Named databases are keys of the main one: a non-empty main database without
                 # our "meta" key belongs to some other program.
                 if txn.stat(main)["entries"] and txn.get(rec.DB_META) is None:
                     raise StoreFormatError(f"{self.path} holds an LMDB environment that is not a kvstrata store")
-                return rec.Handles(*(env.open_db(name, txn=txn) for name in rec.DB_NAMES), main)
+                return rec.Handles.open(env, txn)
         except lmdb.NotFoundError as exc:
             raise StoreFormatError(f"{self.path} is not a kvstrata store (missing named databases)") from exc
         except lmdb.ReadonlyError as exc:
@@ -300,7 +297,7 @@ class StoreEnv:
 
     # ---- transactions -----------------------------------------------------------------------
 
-    def txn(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False, buffers: bool = False) -> T:
+    def txn(self, fn: Callable[[lmdb.Transaction[Any]], T], *, write: bool = False, buffers: bool = False) -> T:
         """Run ``fn`` in one transaction (committed when ``write``), retrying after another
         process grew the map. StoreUnavailableError once closed."""
         for _ in range(8):
@@ -308,7 +305,7 @@ class StoreEnv:
                 with self._gate.shared():
                     if self._closed:
                         raise StoreUnavailableError(f"store at {self.path} is closed")
-                    with self.env.begin(write=write, buffers=buffers) as txn:
+                    with rec.begin(self.env, write=write, buffers=buffers) as txn:
                         return fn(txn)
             except lmdb.MapResizedError:
                 # Adopt the size another process grew the map to (0: whatever the file says).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from typing import TYPE_CHECKING
 
 import lmdb
@@ -80,8 +81,7 @@ class Recovery:
             while True:
                 if writer.stopping:
                     return  # close() leaves the marker cleared: the next open verifies again
-                rows = env.txn(lambda txn, a=after: rec.scan_batch(txn, h.index, a, values=False,
-                                                                    limit=_BATCH))
+                rows = env.txn(partial(rec.scan_batch, db=h.index, after=after, values=False, limit=_BATCH))
                 keys = [key for key, _ in rows]
                 checked_keys = rec.check_all(lambda body: env.txn(lambda txn: body(txn, h), buffers=True), keys)
                 bad = [k for k, _present, problem in checked_keys if problem is not None]

@@ -20,6 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -121,11 +122,11 @@ class DiskStore:
 
     # ---- transactions for the tools ---------------------------------------------------------------
 
-    def read(self, fn: Callable[[lmdb.Transaction, rec.Handles], T], *, buffers: bool = False) -> T:
+    def read(self, fn: Callable[[lmdb.Transaction[Any], rec.Handles], T], *, buffers: bool = False) -> T:
         """``fn(txn, handles)`` in one short read transaction (``kvstrata.tiers.records``)."""
         return self._env.txn(lambda txn: fn(txn, self.h), buffers=buffers)
 
-    def write(self, fn: Callable[[lmdb.Transaction, rec.Handles], T], *, buffers: bool = False) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction[Any], rec.Handles], T], *, buffers: bool = False) -> T:
         """``fn(txn, handles)`` in one write transaction on the writer thread, serialised with
         the store's own puts and evictions; an exception inside ``fn`` commits nothing."""
         if self._writer is None:
@@ -204,7 +205,7 @@ class DiskStore:
         after: bytes | None = None
         while True:
             try:
-                good, bad, after = self._env.txn(lambda txn, a=after: rec.index_batch(txn, self.h, a))
+                good, bad, after = self._env.txn(partial(rec.index_batch, h=self.h, after=after))
             except lmdb.Error as exc:  # the index's own pages are damaged: stop, never raise
                 self._log_damage("the index cannot be read past this point", exc)
                 return
@@ -230,8 +231,7 @@ class DiskStore:
         after: bytes | None = None
         while True:
             try:
-                batch = self._env.txn(lambda txn, a=after: rec.scan_batch(txn, handle, a, prefix=prefix,
-                                                                          values=values))
+                batch = self._env.txn(partial(rec.scan_batch, db=handle, after=after, prefix=prefix, values=values))
             except rec.LMDB_DAMAGE as exc:
                 if damage is None:
                     raise

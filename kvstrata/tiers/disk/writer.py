@@ -173,12 +173,12 @@ class Writer:
         """Run ``fn`` on the writer thread without waiting."""
         self.submit(_CallJob(fn, Future()))
 
-    def write(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool = False) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False) -> T:
         """``fn(txn)`` in one write transaction on the writer thread; deletions it reports
         through ``deleted`` reach ``on_removed`` once it commits."""
         return self.call(lambda: self._write_txn(fn, buffers=buffers))
 
-    def _write_txn(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool = False) -> T:
+    def _write_txn(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False) -> T:
         def body(txn: lmdb.Transaction) -> T:
             self._removed = []  # (again when the transaction is retried)
             return fn(txn)

@@ -110,7 +110,7 @@ class Hierarchy:
         retry_failed_after_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        tiers = [] if lower is None else list(lower) if isinstance(lower, (list, tuple)) else [lower]
+        tiers = [] if lower is None else list(lower) if isinstance(lower, Sequence) else [lower]
         admits = _per_tier("admit_after", admit_after, len(tiers))
         pressure = _per_tier("write_backpressure", write_backpressure, len(tiers))
         inflight = _per_tier("max_write_inflight_bytes", max_write_inflight_bytes, len(tiers))

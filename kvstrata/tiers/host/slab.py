@@ -182,7 +182,7 @@ class HostSlab:
             raise IndexError(
                 f"[{offset}, {offset + length}) is outside a {self.slot_bytes}-byte slot"
             )
-        return memoryview(self.array[index, offset : offset + length])
+        return self.array[index, offset : offset + length].data
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -113,13 +114,13 @@ class RemoteLoop:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def submit(self, coro: Awaitable[T]) -> asyncio.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type,return-value]
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, coro: Awaitable[T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait at most ``timeout`` seconds for it (the coroutine
         is cancelled then, and TimeoutError raised)."""
-        return self.submit(asyncio.wait_for(coro, timeout)).result(timeout + 1.0)  # type: ignore[arg-type]
+        return self.submit(asyncio.wait_for(coro, timeout)).result(timeout + 1.0)
 
     def stop(self) -> None:
         if self.loop.is_closed():

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis.exceptions as rex
 
@@ -112,7 +112,9 @@ class RemoteStore:
             self.address = self.address.with_password(password)
         self._auth = auth
         self.url = self.address.redacted()
-        self._mode = codec
+        if codec not in ("auto", "raw"):
+            raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
+        self._mode: Literal["auto", "raw"] = "raw" if codec == "raw" else "auto"
         self._level = level
         self._prefix = key_prefix
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
