@@ -177,6 +177,13 @@ def test_a_remote_only_stack_is_valid() -> None:
     assert cfg.disk is False and cfg.remote_url == "redis+cluster://a:1,b:2"
 
 
+def test_a_remote_store_refuses_a_codec_it_does_not_have() -> None:
+    # Refused before anything connects or starts (as the disk store refuses it): a codec name
+    # the frame encoder does not know would otherwise be taken for "auto".
+    with pytest.raises(ValueError, match="codec must be 'auto' or 'raw', not 'zstd'"):
+        RemoteStore("redis://127.0.0.1:1", codec="zstd")
+
+
 def test_an_unknown_remote_option_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"unknown kvstrata option\(s\) \['remote_urls'\]"):
         StrataConfig.from_extra_config({"remote_urls": "redis://cache"})
