@@ -35,6 +35,7 @@ from typing import Any
 
 import lmdb
 
+from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 
 _TMP_PREFIX = ".compact-"
@@ -247,7 +248,7 @@ def _copy_sound_records(src: Path, dst: Path) -> tuple[int, int]:
             after: bytes | None = None
             while True:
                 try:
-                    rows = read(lambda txn, h, a=after: rec.scan_batch(txn, h.index, a, values=False),
+                    rows = read(lambda txn, h, a=after: scans.scan_batch(txn, h.index, a, values=False),
                                 buffers=False)
                 except rec.LMDB_DAMAGE:
                     break  # the index cannot be read past a damaged page: keep what came before

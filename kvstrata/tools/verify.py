@@ -31,6 +31,7 @@ import lmdb
 
 from kvstrata import fsmode
 from kvstrata.compaction import rewrite
+from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tools import support as ts
@@ -146,11 +147,11 @@ def _check_orphans(store: DiskStore, found: Findings) -> None:
     lost: set[bytes] = set()
     try:
         for keys in _scan_keys(store, "payload", found):
-            orphans, gone = store.read(partial(rec.orphan_payloads, keys=keys))
+            orphans, gone = store.read(partial(scans.orphan_payloads, keys=keys))
             found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in orphans if key not in listed)
             lost.update(gone)
         if lost:
-            met = store.read(lambda txn, h: rec.payloads_met(txn, h, lost))
+            met = store.read(lambda txn, h: scans.payloads_met(txn, h, lost))
             found.bad.extend((key, rec.ORPHAN_PAYLOAD) for key in met if key not in listed)
     except rec.LMDB_DAMAGE as exc:
         found.structure.append(f"the index cannot be searched ({exc})")
@@ -257,7 +258,7 @@ def repair(path: Path, found: Findings) -> dict[str, Any]:
                     rec.delete(txn, h, key, totals)
                     dropped += 1
             if reconcile:
-                dropped += rec.reconcile(txn, h)
+                dropped += scans.reconcile(txn, h)
             namespaces = sum(rec.unregister_namespace(txn, h, ns) for ns in found.bad_namespaces)
             rec.write_totals(txn, h, rec.recount(txn, h)[0])
             return {"dropped": dropped, "already_gone": gone, "namespace_entries_removed": namespaces}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreUnavailableError
 from kvstrata.tiers.disk.writer import Counters, Writer
@@ -81,7 +82,7 @@ class Recovery:
             while True:
                 if writer.stopping:
                     return  # close() leaves the marker cleared: the next open verifies again
-                rows = env.txn(partial(rec.scan_batch, db=h.index, after=after, values=False, limit=_BATCH))
+                rows = env.txn(partial(scans.scan_batch, db=h.index, after=after, values=False, limit=_BATCH))
                 keys = [key for key, _ in rows]
                 checked_keys = rec.check_all(lambda body: env.txn(lambda txn: body(txn, h), buffers=True), keys)
                 bad = [k for k, _present, problem in checked_keys if problem is not None]

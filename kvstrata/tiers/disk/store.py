@@ -29,6 +29,7 @@ import msgspec
 
 from kvstrata import fsmode
 from kvstrata.tiers import codec
+from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
@@ -205,7 +206,7 @@ class DiskStore:
         after: bytes | None = None
         while True:
             try:
-                good, bad, after = self._env.txn(partial(rec.index_batch, h=self.h, after=after))
+                good, bad, after = self._env.txn(partial(scans.index_batch, h=self.h, after=after))
             except lmdb.Error as exc:  # the index's own pages are damaged: stop, never raise
                 self._log_damage("the index cannot be read past this point", exc)
                 return
@@ -231,7 +232,7 @@ class DiskStore:
         after: bytes | None = None
         while True:
             try:
-                batch = self._env.txn(partial(rec.scan_batch, db=handle, after=after, prefix=prefix, values=values))
+                batch = self._env.txn(partial(scans.scan_batch, db=handle, after=after, prefix=prefix, values=values))
             except rec.LMDB_DAMAGE as exc:
                 if damage is None:
                     raise
@@ -257,7 +258,7 @@ class DiskStore:
 
     def key_namespaces(self) -> list[bytes]:
         """The distinct namespaces of the stored keys (a record may outlive its registration)."""
-        return self._env.txn(lambda txn: rec.key_namespaces(txn, self.h))
+        return self._env.txn(lambda txn: scans.key_namespaces(txn, self.h))
 
     def namespaces(self) -> dict[bytes, dict[str, Any]]:
         """The registered namespaces (fingerprint -> description); unreadable entries skipped."""
