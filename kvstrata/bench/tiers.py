@@ -29,9 +29,14 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.disk import DiskStore
+    from kvstrata.tiers.host import HostSlab
 
 GB = 1e9
 
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _slab(name: str, slot_bytes: int, num_slots: int):
+def _slab(name: str, slot_bytes: int, num_slots: int) -> HostSlab:
     """A slab where the engine would put it (/dev/shm): a disk-backed file would add writeback."""
     from kvstrata.tiers.host import HostSlab, default_slab_path
 
@@ -90,7 +95,7 @@ def _slab(name: str, slot_bytes: int, num_slots: int):
     return slab
 
 
-def _best(fn, reps: int) -> float:
+def _best(fn: Callable[[], object], reps: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(reps):
@@ -163,7 +168,7 @@ def _lookup_key(i: int) -> bytes:
     return i.to_bytes(32, "big") + b"\x00\x00\x00\x00"  # group 0
 
 
-def _build_lookup_db(path: str, n: int, ns: bytes):
+def _build_lookup_db(path: str, n: int, ns: bytes) -> tuple[DiskStore, float]:
     from kvstrata.tiers.disk import DiskStore
 
     disk = DiskStore(path, budget_bytes=1 << 40, codec="raw")
@@ -252,7 +257,7 @@ def _writes_settled(st: dict[str, Any]) -> bool:
     return st["write_inflight_bytes"] == 0 and st["write_deferred"] == 0
 
 
-def _wait(cond, timeout: float = 120.0) -> None:
+def _wait(cond: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

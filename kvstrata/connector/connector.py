@@ -23,14 +23,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvstrata import auth, fsmode
 from kvstrata.config import StrataConfig
 from kvstrata.connector.keys import namespace_info
-from kvstrata.connector.metadata import StrataMetadata
+from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata
 from kvstrata.connector.plan import KVPlan, build_plan
 from kvstrata.connector.stats import StrataPromMetrics, StrataStats
 from kvstrata.remote_address import parse_remote_url
@@ -276,7 +280,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
-    def build_connector_worker_meta(self):
+    def build_connector_worker_meta(self) -> StrataWorkerMetadata | None:
         return self.worker.build_worker_meta() if self._worker is not None else None
 
     # --------------------------------------------------------------- scheduler
@@ -358,7 +362,10 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
         return StrataStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+    ) -> StrataPromMetrics:
         return StrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 COUNTERS = {
     "lookups": "Prefix lookups answered by kvstrata",
@@ -120,7 +122,8 @@ class StrataStats(KVConnectorStats):
 class StrataPromMetrics(KVConnectorPromMetrics):
     """``vllm:kvstrata_*`` counters and gauges, one series per engine."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # vLLM types each of the three as any metric class; each is the one its name says.
         counter_cls = cast("type[Counter]", self._counter_cls)

@@ -84,7 +84,7 @@ def _device() -> tuple[str | None, str]:
                   f"{torch.version.cuda or 'none'})")
 
 
-def _timed(fn, sync, reps: int) -> float:
+def _timed(fn: Callable[[], object], sync: Callable[[], object], reps: int) -> float:
     fn()
     sync()
     best = float("inf")
@@ -120,7 +120,7 @@ def measure_stager(args: argparse.Namespace, device: str) -> dict[str, Any]:
         transfers = kv.transfers()
         jobs = iter(range(1 << 30))
 
-        def run(submit) -> None:
+        def run(submit: Callable[[int, list[Transfer]], None]) -> None:
             job = next(jobs)
             submit(job, transfers)
             stager.wait([job])

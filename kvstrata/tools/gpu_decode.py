@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             # Distinct short prompts: nothing for kvstrata or the prefix cache to serve.
             engine.add_request(f"decode-{i}", TokensPrompt(prompt_token_ids=[100 + i] * 64), bypass)
 
-        def step_until(stop) -> list[float]:
+        def step_until(stop: Callable[[list[Any], list[float]], bool]) -> list[float]:
             stamps: list[float] = []
             while engine.has_unfinished_requests():
                 outs = engine.step()
@@ -96,7 +97,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                load)
             first: dict[str, int] = {}
 
-            def loaded(outs, stamps, name=f"load{k}", first=first) -> bool:
+            def loaded(outs: list[Any], stamps: list[float], name: str = f"load{k}",
+                       first: dict[str, int] = first) -> bool:
                 for o in outs:
                     if _is(o, name) and o.outputs and o.outputs[0].token_ids:
                         first.setdefault("cached", int(o.num_cached_tokens or 0))

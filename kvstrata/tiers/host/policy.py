@@ -9,7 +9,7 @@ counts; a policy only orders keys.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterator, Set
 
 
 class Entry:
@@ -60,7 +60,7 @@ class LRU:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[bytes, Entry]]:
         return iter(self.entries.items())
 
 
@@ -135,6 +135,6 @@ class ARC:
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[bytes, Entry]]:
         yield from self.t1.items()
         yield from self.t2.items()
