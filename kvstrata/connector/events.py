@@ -129,7 +129,3 @@ class KVEvents:
                                removed=removed, removal_expected=not removed)
                for tier, removed, keys in changes]
         return list(self._tracker.take_events(raw))
-
-    def tracked(self) -> int:
-        """Chunks whose payload snapshot is held (for tests and stats)."""
-        return len(self._tracker._pending_event_metadata)
