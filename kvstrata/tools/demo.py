@@ -15,9 +15,11 @@ warm-up and the prefill alignment that makes the texts comparable bit for bit ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import secrets
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +158,24 @@ class _Output:
         elif not self.err.is_terminal:
             self.err.print(f"  {msg}", highlight=False)
 
-    def phase(self, label: str) -> _Phase:
-        return _Phase(self, label)
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[Callable[[str], None]]:
+        """One step of the demo: a spinner (or a line) while it runs, a tick and its seconds
+        when it ends; yields ``update`` for its progress messages."""
+        self._label, self._t0 = label, time.monotonic()
+        if self.err.is_terminal:
+            self._status = self.err.status(label)
+            self._status.__enter__()
+        else:
+            self.err.print(label, highlight=False)
+        try:
+            yield self.update
+        finally:
+            if self._status is not None:
+                self._status.__exit__(*sys.exc_info())
+                self._status = None
+        self.err.print(f"[green]✓[/green] {label} [dim]({time.monotonic() - self._t0:.0f} s)[/dim]",
+                       highlight=False)
 
     def report(self, r: dict[str, Any], texts: dict[str, str]) -> None:
         from rich.console import Console
@@ -200,33 +218,6 @@ class _Output:
                 f"({m.get('compression_ratio', 1.0):.2f}x); host tier of process 2: "
                 f"{r['host_tier_tokens_after_restart']} tokens")
         con.print(f"[dim]({r['elapsed_s']} s in all, including engine starts)[/dim]")
-
-
-class _Phase:
-    def __init__(self, out: _Output, label: str) -> None:
-        self.out, self.label = out, label
-
-    def __enter__(self) -> _Phase:
-        self.out._label = self.label
-        self.out._t0 = time.monotonic()
-        if self.out.err.is_terminal:
-            self.out._status = self.out.err.status(self.label)
-            self.out._status.__enter__()
-        else:
-            self.out.err.print(self.label, highlight=False)
-        return self
-
-    def __call__(self, msg: str) -> None:
-        self.out.update(msg)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.out._status is not None:
-            self.out._status.__exit__(*exc)
-            self.out._status = None
-        if exc[0] is None:
-            self.out.err.print(f"[green]✓[/green] {self.label} "
-                               f"[dim]({time.monotonic() - self.out._t0:.0f} s)[/dim]",
-                               highlight=False)
 
 
 def _s(x: float | None) -> str:
