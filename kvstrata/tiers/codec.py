@@ -104,6 +104,15 @@ _SMALL_PLANE = 4096  # below this, just try zstd (the sample would be the whole 
 Mode = Literal["auto", "raw"]
 
 
+def parse_mode(name: str) -> Mode:
+    """A store's ``codec`` option as the encoder's mode; ValueError naming any other value."""
+    if name == "auto":
+        return "auto"
+    if name == "raw":
+        return "raw"
+    raise ValueError(f"codec must be 'auto' or 'raw', not {name!r}")
+
+
 class CorruptRecord(Exception):
     """A frame failed validation: bad magic/version/header, torn payload or checksum mismatch."""
 

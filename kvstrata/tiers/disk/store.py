@@ -31,6 +31,7 @@ from kvstrata import fsmode
 from kvstrata.tiers import codec
 from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
+from kvstrata.tiers.codec import parse_mode as parse_codec_mode
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
 from kvstrata.tiers.disk.writer import Counters, PutJob, Writer, now_us
@@ -90,15 +91,14 @@ class DiskStore:
         auth: ValueAuth | None = None,
         clock_us: Callable[[], int] = now_us,
     ) -> None:
-        if codec not in ("auto", "raw"):
-            raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
+        codec_mode = parse_codec_mode(codec)
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
         self.path = Path(path)
         self.budget_bytes = int(budget_bytes)
         self.readonly = readonly
         self._level = level
-        self._codec_mode: Literal["auto", "raw"] = "raw" if codec == "raw" else "auto"
+        self._codec_mode = codec_mode
         self._counts = Counters()
         self._tick_lock = threading.Lock()
         self._last_tick = 0

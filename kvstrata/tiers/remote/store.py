@@ -26,13 +26,14 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rex
 
 from kvstrata.auth import ValueAuth, is_sealed
 from kvstrata.remote_address import RemoteAddress, parse_remote_url
 from kvstrata.tiers import codec
+from kvstrata.tiers.codec import parse_mode as parse_codec_mode
 from kvstrata.tiers.remote import client as rc
 from kvstrata.tiers.remote.breaker import Breaker
 
@@ -112,9 +113,7 @@ class RemoteStore:
             self.address = self.address.with_password(password)
         self._auth = auth
         self.url = self.address.redacted()
-        if codec not in ("auto", "raw"):
-            raise ValueError(f"codec must be 'auto' or 'raw', not {codec!r}")
-        self._mode: Literal["auto", "raw"] = "raw" if codec == "raw" else "auto"
+        self._mode = parse_codec_mode(codec)
         self._level = level
         self._prefix = key_prefix
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
