@@ -91,6 +91,49 @@ def ratios(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+RATIOS = ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "ttft_p99_vs_native_best",
+          "throughput_vs_vllm", "throughput_vs_native_best", "ttft_mean_vs_lmcache")
+
+
+def pooled(runs: Sequence[tuple[dict[str, Any], Sequence[RequestResult]]]) -> dict[str, Any]:
+    """One configuration's figures over several runs of the workload (``--repeat``): the
+    statistics of every request of every run together (a p99 over all of them), output tokens/s
+    over the runs' summed wall time, counters summed, stops clean only if every one was. A run
+    that was skipped or failed is left out (``runs_failed``); none that ran gives the first
+    run's figures."""
+    ran = [(f, r) for f, r in runs if not f.get("skipped") and not f.get("failed")]
+    if not ran:
+        return dict(runs[0][0]) if runs else {}
+    figs = [f for f, _ in ran]
+    out: dict[str, Any] = {"description": figs[0].get("description"), "runs": len(ran),
+                           "runs_failed": len(runs) - len(ran)}
+    out.update(summarise([x for _, r in ran for x in r], sum(float(f.get("wall_s") or 0.0) for f in figs)))
+    out["ttft_samples_s"] = [x for f in figs for x in f.get("ttft_samples_s", [])]
+    for key in ("hit_tokens", "kvstrata"):
+        summed: dict[str, float] = {}
+        for f in figs:
+            for k, v in (f.get(key) or {}).items():
+                summed[k] = summed.get(k, 0.0) + v
+        if summed:
+            out[key] = summed
+    out["clean_stop"] = all(f.get("clean_stop") is not False for f in figs)
+    out["tracebacks"] = sum(int(f.get("tracebacks", 0)) for f in figs)
+    out["shutdown_tracebacks"] = sum(int(f.get("shutdown_tracebacks", 0)) for f in figs)
+    stores = [f.get("stores_clean_shutdown") for f in figs if f.get("stores_clean_shutdown") is not None]
+    out["stores_clean_shutdown"] = all(stores) if stores else None
+    return out
+
+
+def spread(by_run: Sequence[dict[str, Any]]) -> dict[str, dict[str, float] | None]:
+    """Each goal ratio's min / median / max over the runs that had it."""
+    out: dict[str, dict[str, float] | None] = {}
+    for key in RATIOS:
+        values = [float(r[key]) for r in by_run if isinstance(r.get(key), (int, float))]
+        out[key] = None if not values else {
+            "min": min(values), "median": round(statistics.median(values), 3), "max": max(values)}
+    return out
+
+
 def _pyplot() -> Any:
     import matplotlib
 

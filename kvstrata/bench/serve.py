@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", default="",
                    help="also the long-context sweep at these prompt lengths, e.g. "
                         "1024,2048,4096,8192,16384")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the configurations N times, every other time in reverse order; "
+                        "figures over every run's requests, each goal ratio's min/median/max "
+                        "over the runs (ratio_spread), each run under runs (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -263,6 +267,8 @@ def _stores_clean(stores: list[Path]) -> bool | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = parse_configs(args.configs)
     sweep = parse_sweep(args.sweep)
+    if args.repeat < 1:
+        raise _error("--repeat must be at least 1")
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     spec = WorkloadSpec(users=args.users, rounds=args.rounds, system_tokens=args.system_tokens,
@@ -275,21 +281,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise _error(str(exc)) from None
     model = prepare_model(args, out)
     per_config = args.users * args.rounds
-    total = per_config * (len(names) + (3 if args.equivalence else 0)) + 4 * len(sweep)
+    total = per_config * (len(names) * args.repeat + (3 if args.equivalence else 0)) + 4 * len(sweep)
     progress = Progress(total, not args.no_progress)
     try:
         base = base_settings(args, model, args.dtype, args.max_model_len, progress.say)
         wl = build_workload(model, spec)
-        configs: dict[str, dict[str, Any]] = {}
-        ttfts: dict[str, list[float]] = {}
+        runs: dict[str, list[tuple[dict[str, Any], list[Any]]]] = {n: [] for n in names}
+        repeats: list[dict[str, Any]] = []
         t0 = time.monotonic()
-        for name in names:
-            fig, results = run_config(name, base, wl, out, progress)
-            configs[name] = fig
-            ttfts[name] = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
-            # Each configuration's figures are on disk as soon as it is done (a long run that is
-            # interrupted keeps what it measured).
-            (out / "serve.partial.json").write_text(json.dumps(configs, indent=1, default=str))
+        for rep in range(args.repeat):
+            # Every other run in reverse order, so that where a configuration runs in the
+            # sequence (what the one before left on the machine) weighs on each alike.
+            order = names if rep % 2 == 0 else names[::-1]
+            figs: dict[str, dict[str, Any]] = {}
+            for name in order:
+                fig, results = run_config(name, base, wl, out if args.repeat == 1 else out / f"run_{rep + 1}",
+                                          progress)
+                figs[name] = fig
+                runs[name].append((fig, results))
+                # Each configuration's figures are on disk as soon as it is done (a long run
+                # that is interrupted keeps what it measured).
+                done = figs if args.repeat == 1 else [*(r["configs"] for r in repeats), figs]
+                (out / "serve.partial.json").write_text(json.dumps(done, indent=1, default=str))
+            repeats.append({"order": order, **report.ratios(figs), "configs": figs})
+        configs = (repeats[0]["configs"] if args.repeat == 1
+                   else {n: report.pooled(runs[n]) for n in names})
+        ttfts = {n: [r.ttft_s for _, results in runs[n] for r in results if r.ok and r.ttft_s is not None]
+                 for n in names}
         result: dict[str, Any] = {
             "model": str(model),
             "workload": {**spec.__dict__, "context_tokens_total": wl.total_context_tokens(),
@@ -305,8 +323,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out / "serve_ttft.png", ttfts,
             {n: c.get("ttft_mean_by_round_s", {}) for n, c in configs.items()},
             f"{Path(model).name}: {spec.users} users x {spec.rounds} rounds, "
-            f"{spec.context_min}-{spec.context_max} context tokens")
+            f"{spec.context_min}-{spec.context_max} context tokens"
+            + (f", {args.repeat} runs" if args.repeat > 1 else ""))
         result["configs"] = configs
+        if args.repeat > 1:
+            result["repeat"] = args.repeat
+            result["ratio_spread"] = report.spread(repeats)
+            result["runs"] = repeats
         if args.equivalence or sweep:
             from kvstrata.bench import serve_extra
 

@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     (["--host-bytes", "lots", "--tiny"], "--host-bytes"),
     (["--kvstrata-config", '{"codec": "nope"}'], "'codec'"),
     (["--kvstrata-config", "[1]"], "expected a JSON object"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
 ])
 def test_bad_options_name_what_is_wrong(argv, message, capsys, tmp_path) -> None:
     try:
@@ -102,6 +103,34 @@ def test_figures_and_ratios() -> None:
     assert r["ttft_p99_vs_native_best"] == 0.5 and r["throughput_vs_native_best"] == 1.0
     assert r["throughput_vs_vllm"] == 2.5 and r["ttft_mean_vs_lmcache"] is None
     assert r["errors"] == 1
+
+
+def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
+    def run(ttfts: list[float], wall: float, **extra) -> tuple[dict, list[RequestResult]]:
+        results = [_result(i, 0, t) for i, t in enumerate(ttfts)]
+        fig = {**report.summarise(results, wall), "ttft_samples_s": ttfts, "clean_stop": True,
+               "tracebacks": 0, "shutdown_tracebacks": 1, "stores_clean_shutdown": True,
+               "hit_tokens": {"kvstrata_disk": 256.0}, **extra}
+        return fig, results
+
+    first, second = run([1.0, 3.0], 2.0), run([2.0, 6.0, 10.0], 4.0, kvstrata={"store_jobs": 2.0})
+    fig = report.pooled([first, second, ({"failed": "no start"}, [])])
+    assert fig["runs"] == 2 and fig["runs_failed"] == 1 and fig["requests"] == 5
+    assert fig["ttft_mean_s"] == 4.4 and fig["ttft_p50_s"] == 3.0
+    assert fig["ttft_p99_s"] == report.percentile([1.0, 2.0, 3.0, 6.0, 10.0], 99)
+    assert fig["output_tok_per_s"] == 2.5  # 15 tokens over 6 s of the two runs' wall time
+    assert fig["ttft_samples_s"] == [1.0, 3.0, 2.0, 6.0, 10.0]
+    assert fig["hit_tokens"] == {"kvstrata_disk": 512.0} and fig["kvstrata"] == {"store_jobs": 2.0}
+    assert fig["shutdown_tracebacks"] == 2 and fig["clean_stop"] and fig["stores_clean_shutdown"]
+    second[0]["clean_stop"] = False
+    assert report.pooled([first, second])["clean_stop"] is False
+    assert report.pooled([({"skipped": "x"}, [])]) == {"skipped": "x"}
+    spread = report.spread([{"ttft_mean_vs_vllm": 0.3, "ttft_p99_vs_native_best": 0.9},
+                            {"ttft_mean_vs_vllm": 0.2, "ttft_p99_vs_native_best": None},
+                            {"ttft_mean_vs_vllm": 0.25}])
+    assert spread["ttft_mean_vs_vllm"] == {"min": 0.2, "median": 0.25, "max": 0.3}
+    assert spread["ttft_p99_vs_native_best"] == {"min": 0.9, "median": 0.9, "max": 0.9}
+    assert spread["ttft_mean_vs_lmcache"] is None
 
 
 def test_metrics_are_parsed_per_tier() -> None:
@@ -168,7 +197,7 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
     argv = ["bench", "serve", "--json", "--tiny", "--no-progress", "--out", str(out),
             "--users", "2", "--rounds", "1", "--context-min", "200", "--context-max", "300",
             "--system-tokens", "64", "--max-tokens", "4", "--max-model-len", "1024",
-            "--arrival-rate", "5", "--configs", "vllm,kvstrata",
+            "--arrival-rate", "5", "--configs", "vllm,kvstrata", "--repeat", "2",
             "--host-bytes", "16MiB", "--kvstrata-config", '{"zstd_level": 3}']
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
@@ -176,20 +205,34 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
         assert key in result, key
     assert result["errors"] == 0, result
     assert Path(result["chart"]).read_bytes()[:4] == b"\x89PNG"
+    # Two runs, the second in reverse order; each run's figures as a single run reports them.
+    assert result["repeat"] == 2 and [r["order"] for r in result["runs"]] == [
+        ["vllm", "kvstrata"], ["kvstrata", "vllm"]]
+    for run in result["runs"]:
+        assert isinstance(run["ttft_mean_vs_vllm"], float), run
+        for name in ("vllm", "kvstrata"):
+            fig = run["configs"][name]
+            for key in PER_CONFIG:
+                assert key in fig, (name, key)
+            assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
+            assert fig["tracebacks"] == 0, fig["log_problems"]
+            assert fig["cpu_s"][0]["total"] > 0 and len(fig["requests_detail"]) == 2, fig
+            assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
+        assert run["configs"]["kvstrata"]["stores_clean_shutdown"] is True
+    ttft = result["ratio_spread"]["ttft_mean_vs_vllm"]
+    assert ttft["min"] <= ttft["median"] <= ttft["max"], ttft
+    # The top-level figures pool both runs' requests.
     for name in ("vllm", "kvstrata"):
         fig = result["configs"][name]
-        for key in PER_CONFIG:
-            assert key in fig, (name, key)
-        assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
-        assert fig["tracebacks"] == 0, fig["log_problems"]
-        assert fig["cpu_s"][0]["total"] > 0 and len(fig["requests_detail"]) == 2, fig
-        assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
+        assert fig["runs"] == 2 and fig["requests"] == 4 and len(fig["ttft_samples_s"]) == 4, fig
+        assert fig["tracebacks"] == 0 and fig["clean_stop"] is True, fig
     ours = result["configs"]["kvstrata"]
     assert ours["stores_clean_shutdown"] is True
     assert "kvstrata_disk" in ours["hit_tokens"]
     # kvstrata's own figures, and the options --kvstrata-config added reached its server.
-    assert ours["kvstrata"]["store_jobs"] >= 1 and "allocation_failures" in ours["kvstrata"]
-    assert "'zstd_level': 3" in (out / "logs" / "kvstrata_0.log").read_text()
+    assert ours["kvstrata"]["store_jobs"] >= 2 and "allocation_failures" in ours["kvstrata"]
+    for run in ("run_1", "run_2"):
+        assert "'zstd_level': 3" in (out / run / "logs" / "kvstrata_0.log").read_text()
     for key in ("ttft_mean_vs_vllm", "throughput_vs_vllm"):
         assert isinstance(result[key], float), key
     assert json.loads((out / "serve.json").read_text())["configs"].keys() == result["configs"].keys()
