@@ -196,6 +196,8 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         servers = [ApiServer(f"{name}_{i}", spec, out / "logs" / f"{name}_{i}.log")
                    for i, spec in enumerate(setup.specs)]
         fig["start_s"] = round(wait_healthy(servers), 1)
+        if any(s.port_retries for s in servers):
+            fig["port_retries"] = sum(s.port_retries for s in servers)
         before = [scrape(s.base) for s in servers]
         cpu_before = [cpu_seconds(s.proc.pid) for s in servers]
         progress.say(f"{name}: load")

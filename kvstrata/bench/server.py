@@ -37,6 +37,10 @@ LOG_PROBLEMS = (TRACEBACK, "EngineDeadError",
 
 # vLLM's API server logs this when SIGTERM starts its shutdown.
 SHUTDOWN_MARK = "[shutdown] API server: shutdown triggered"
+# A port free when picked can be taken before the server binds it (any process's outgoing
+# connection may draw it): the server then exits with this, and starts again on another port.
+PORT_TAKEN = "Address already in use"
+START_ATTEMPTS = 3
 
 
 class ServerError(RuntimeError):
@@ -94,15 +98,21 @@ class ApiServer:
     def __init__(self, name: str, spec: ServerSpec, log: Path) -> None:
         self.name = name
         self.spec = spec
-        self.port = free_port()
         self.log = log
         self.stop_s: float | None = None
         self.clean_stop: bool | None = None
+        # Starts that found their port taken (PORT_TAKEN) and were made again on another one.
+        self.port_retries = 0
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        with open(self.log, "wb") as out:  # a new start's log replaces the failed one's
             self.proc = subprocess.Popen(
-                spec.command(self.port), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=child_env({"VLLM_LOGGING_LEVEL": "INFO", **spec.env}),
+                self.spec.command(self.port), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=child_env({"VLLM_LOGGING_LEVEL": "INFO", **self.spec.env}),
                 start_new_session=True)
 
     @property
@@ -139,6 +149,12 @@ class ApiServer:
 
     def healthy(self) -> bool:
         if self.proc.poll() is not None:
+            if self.port_retries + 1 < START_ATTEMPTS and PORT_TAKEN in self.log_tail():
+                self.port_retries += 1
+                with contextlib.suppress(ProcessLookupError):  # anything it started
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self._start()
+                return False
             raise ServerError(f"server {self.name} exited with {self.proc.returncode} "
                               f"({self.log}):\n{self.log_tail()}")
         try:

@@ -6,14 +6,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvstrata.bench import configs, report, serve
+from kvstrata.bench import configs, report, serve, server
 from kvstrata.bench.client import RequestResult
 from kvstrata.bench.peers import PeerUnavailable
-from kvstrata.bench.server import hit_tokens, parse_metrics, phase_sums
+from kvstrata.bench.server import (
+    ApiServer,
+    ServerError,
+    ServerSpec,
+    hit_tokens,
+    parse_metrics,
+    phase_sums,
+)
 from kvstrata.bench.workload import WorkloadError, WorkloadSpec, build_workload
 from kvstrata.tools.cli import main
 
@@ -131,6 +140,48 @@ def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
     assert spread["ttft_mean_vs_vllm"] == {"min": 0.2, "median": 0.25, "max": 0.3}
     assert spread["ttft_p99_vs_native_best"] == {"min": 0.9, "median": 0.9, "max": 0.9}
     assert spread["ttft_mean_vs_lmcache"] is None
+
+
+# A stand-in for the API server where only its port matters: a real process that binds the port
+# it is given (failing as vLLM's does when it is taken) and answers /health.
+_HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+class _HealthSpec(ServerSpec):
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-c", _HEALTH_SERVER, str(port)]
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: a health check is refused at once
+        busy = taken.getsockname()[1]
+        picks = iter([busy, busy])  # then free ports again
+        real_free_port = server.free_port
+        monkeypatch.setattr(server, "free_port", lambda: next(picks, None) or real_free_port())
+        srv = ApiServer("s", _HealthSpec(model="m", kv_cache_bytes=1), tmp_path / "s.log")
+        try:
+            server.wait_healthy([srv], deadline_s=60)
+            assert srv.port != busy and srv.port_retries == 2
+        finally:
+            srv.stop()
+        assert srv.clean_stop is False  # the stand-in dies of SIGTERM: only vLLM's server exits 0
+        # Every pick taken: the start fails, naming why, after START_ATTEMPTS tries.
+        monkeypatch.setattr(server, "free_port", lambda: busy)
+        srv = ApiServer("t", _HealthSpec(model="m", kv_cache_bytes=1), tmp_path / "t.log")
+        try:
+            with pytest.raises(ServerError, match=server.PORT_TAKEN):
+                server.wait_healthy([srv], deadline_s=60)
+            assert srv.port_retries == server.START_ATTEMPTS - 1
+        finally:
+            srv.stop()
 
 
 def test_metrics_are_parsed_per_tier() -> None:
