@@ -723,7 +723,10 @@ def test_host_hits_on_chunks_the_disk_holds_count_as_read_back(env):
     h = env.hier(disk, slots=8)
     keys = [key(i) for i in range(4)]
     store(h, keys)
-    eventually(lambda: all(on_disk(disk, k) for k in keys), "the writes")
+    # The hierarchy knows the disk holds them once each write's completion is recorded, a moment
+    # after the disk has the record (a host hit counts as read back only then).
+    eventually(lambda: h.stats()["tiers"]["disk"]["writes_completed"] == len(keys), "the writes")
+    assert all(on_disk(disk, k) for k in keys)
     assert h.stats()["tiers"]["disk"]["write_reuse"] == 0.0
     h.promote(keys[:2])  # the warm start's and tools' promotions are no request: no evidence
     assert h.stats()["tiers"]["disk"]["write_reuse"] == 0.0
