@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     work = Path(tempfile.mkdtemp(prefix="kvstrata-cold-store-"))
-    base = [a for a in (argv if argv is not None else sys.argv[1:])]
+    base = list(argv if argv is not None else sys.argv[1:])  # the child gets the same options
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in args.names}
     try:
         for rnd in range(args.rounds):
