@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstrata.tiers.host import board_fence
-from kvstrata.tiers.priority import name_this_thread
+from kvstrata.tiers.priority import name_this_thread, widen_this_thread
 
 if TYPE_CHECKING:
     from kvstrata.tiers.device import Transfer
@@ -149,6 +149,9 @@ class LandingWaiter:
 
     def _run(self) -> None:
         name_this_thread()
+        if self._copy is not None:
+            # It copies on the host: off the single OpenMP core a CPU worker's threads inherit.
+            widen_this_thread()
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:

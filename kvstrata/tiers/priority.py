@@ -10,6 +10,12 @@ Each background thread also carries its name into the kernel (``name_this_thread
 Linux schedules threads, not processes: ``sched_setscheduler(0, SCHED_IDLE)`` from a thread
 changes that thread alone. Elsewhere (or where it is refused) the thread's nice value is raised
 instead, and where that fails too it runs as it was: lowering priority is best effort.
+
+Threads started in a vLLM CPU worker inherit its main thread's CPU affinity, which vLLM narrows
+to the one core of OpenMP thread 0 (``OMP_PROC_BIND``): a pool of copy threads spread over
+"several cores" would all run on that core while the others idle (docs/BENCHMARKS.md, "Where the
+gap to the fs tier comes from"). ``widen_this_thread`` lets such a thread run on every core the
+worker's threads were given; kvstrata's worker threads copy while the forward waits for them.
 """
 
 from __future__ import annotations
@@ -92,3 +98,44 @@ def thread_policy(native_id: int | None = None) -> int | None:
         return os.sched_getscheduler(native_id or 0)
     except OSError:
         return None
+
+
+def process_cpus() -> frozenset[int] | None:
+    """The CPUs any thread of this process may run on: in a vLLM CPU worker, the cores its OpenMP
+    threads were bound to one by one (those vLLM gave this worker: a ``taskset``, a cpuset or
+    its NUMA node hold). None where the platform cannot tell."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    cpus: set[int] = set()
+    for tid in tasks:
+        try:
+            cpus.update(os.sched_getaffinity(int(tid)))
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+    return frozenset(cpus) or None
+
+
+def widen_this_thread() -> frozenset[int] | None:
+    """Let the calling thread run on every CPU of :func:`process_cpus` where it may run on fewer
+    (see the module docstring); returns them, or None where it stays as it was. Best effort,
+    like the priorities."""
+    cpus = process_cpus()
+    try:
+        if cpus is None or not frozenset(os.sched_getaffinity(0)) < cpus:
+            return None
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        return None
+    return cpus
+
+
+def worker_thread() -> None:
+    """Thread-pool initializer for threads in the engine's worker process: name the thread and
+    widen it off the OpenMP core it inherited."""
+    name_this_thread()
+    widen_this_thread()
+

@@ -16,6 +16,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from affinity_helper import PROCESS_CPUS, needs_two_cpus, on_one_cpu, thread_cpus
 
 from kvstrata.tiers.device import (
     CpuStager,
@@ -352,6 +353,27 @@ def test_unusable_groups_fail_their_jobs_only():
 
 
 # ---- backend choice ----------------------------------------------------------------------------
+
+
+@needs_two_cpus
+def test_cpu_copy_threads_spread_over_the_cores_even_when_started_from_one():
+    """In a vLLM CPU worker the stager is built, and its jobs submitted, on the main thread,
+    which vLLM binds to OpenMP thread 0's core: the pool's threads (started by the submitting
+    thread, inheriting its binding) still run on every core of the process, so a job's copies
+    spread over the cores as ``copy_threads`` says instead of queueing on one."""
+    model = ALL_MODELS[0].values[0]
+    _fill_random(model, 5)
+    chunks = [[1, 2], [3, 4], [5], [6, 7]]
+    host = _host(model, slots=len(chunks))
+    others = set(thread_cpus("kvs-copy"))  # other stagers' threads, if any are still alive
+    stager = on_one_cpu(lambda: _stager(model, host, copy_threads=2))
+    try:
+        on_one_cpu(lambda: stager.store(1, [Transfer(0, s, 0, ids) for s, ids in enumerate(chunks)]))
+        assert stager.poll() == [(1, True)]
+        mine = {tid: cpus for tid, cpus in thread_cpus("kvs-copy").items() if tid not in others}
+    finally:
+        stager.close()
+    assert mine and all(cpus == PROCESS_CPUS for cpus in mine.values()), mine
 
 
 def test_make_stager_picks_the_cpu_backend_for_cpu_tensors():

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from affinity_helper import PROCESS_CPUS, needs_two_cpus, on_one_cpu, thread_cpus
 
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.landing import LandingWaiter
@@ -168,3 +169,25 @@ def test_close_fails_the_jobs_still_waiting(tmp_path):
     r.waiter.close()
     assert r.waiter.poll() == [(5, False)]
     r.slab.close()
+
+
+@needs_two_cpus
+@pytest.mark.parametrize("on_host", [True, False])
+def test_the_landing_thread_leaves_the_openmp_core_only_where_it_copies(tmp_path, on_host: bool) -> None:
+    """Started on a CPU worker's main thread (bound to OpenMP thread 0's core): a waiter that
+    copies on the host runs on every core of the process; one that only watches the board for
+    an accelerator keeps the binding it was started with."""
+    others = set(thread_cpus("kvs-landing"))  # other waiters' threads, if any are still alive
+    rig = on_one_cpu(lambda: Rig(tmp_path, on_host=on_host))
+
+    def mine() -> list[frozenset[int]]:
+        return [cpus for tid, cpus in thread_cpus("kvs-landing").items() if tid not in others]
+
+    try:
+        eventually(lambda: len(mine()) == 1, "the landing thread's name")
+        expected = PROCESS_CPUS if on_host else frozenset({min(PROCESS_CPUS)})
+        eventually(lambda: mine() == [expected], "its CPUs")
+        time.sleep(0.05)  # and it stays so
+        assert mine() == [expected]
+    finally:
+        rig.close()

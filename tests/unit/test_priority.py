@@ -3,7 +3,9 @@ figures show) and their priority."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +13,14 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from affinity_helper import PROCESS_CPUS, needs_two_cpus, on_one_cpu
 
-from kvstrata.tiers.priority import background_thread, kernel_thread_name, thread_policy
+from kvstrata.tiers.priority import (
+    background_thread,
+    kernel_thread_name,
+    thread_policy,
+    widen_this_thread,
+)
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel thread names are Linux's")
 
@@ -47,3 +55,64 @@ def test_pool_threads_carry_their_names_and_priority_into_the_kernel() -> None:
     assert comm == "kvs-read-disk_0"
     if policy is not None:
         assert policy == os.SCHED_OTHER
+
+
+# ---- placement: threads of a CPU worker off the one OpenMP core they inherit ---------------------
+
+@needs_two_cpus
+def test_a_thread_started_on_one_core_is_widened_to_the_process_cpus() -> None:
+    def widen() -> tuple[frozenset[int], frozenset[int] | None, frozenset[int]]:
+        before = frozenset(os.sched_getaffinity(0))
+        return before, widen_this_thread(), frozenset(os.sched_getaffinity(0))
+
+    before, widened, after = on_one_cpu(widen)
+    assert len(before) == 1
+    assert widened == after == PROCESS_CPUS
+
+
+@needs_two_cpus
+def test_a_thread_on_every_cpu_of_the_process_is_left_alone() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(widen_this_thread).result() is None
+        assert pool.submit(lambda: frozenset(os.sched_getaffinity(0))).result() == PROCESS_CPUS
+
+
+# A process whose every thread is bound, as a vLLM CPU worker: its main thread (OpenMP thread 0)
+# to the first of its two CPUs, another thread (OpenMP thread 1) to the second. A thread the
+# main thread starts inherits the first alone; widened, it gets both, never a CPU the process's
+# threads were not given.
+_WORKER_LIKE = """
+import json, os, sys, threading
+from kvstrata.tiers.priority import widen_this_thread
+first, second = sorted(os.sched_getaffinity(0))[:2]
+os.sched_setaffinity(0, {first})
+bound, stop = threading.Event(), threading.Event()
+def omp_thread_1():
+    os.sched_setaffinity(0, {second})
+    bound.set()
+    stop.wait()
+threading.Thread(target=omp_thread_1).start()
+bound.wait()
+out = {}
+def kvstrata_thread():
+    out["inherited"] = sorted(os.sched_getaffinity(0))
+    out["widened"] = sorted(widen_this_thread() or [])
+    out["now"] = sorted(os.sched_getaffinity(0))
+t = threading.Thread(target=kvstrata_thread)
+t.start()
+t.join()
+stop.set()
+out["cpus"] = [first, second]
+print(json.dumps(out))
+"""
+
+
+@needs_two_cpus
+def test_a_worker_thread_is_widened_to_the_cores_its_process_was_given_and_no_others() -> None:
+    proc = subprocess.run([sys.executable, "-c", _WORKER_LIKE], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    first, second = out["cpus"]
+    assert out["inherited"] == [first]
+    assert out["widened"] == out["now"] == [first, second]

@@ -19,7 +19,7 @@ import torch
 from kvstrata.tiers.device.base import DeviceStager, Direction, StagerGeometry
 from kvstrata.tiers.device.layout import Transfer, block_runs
 from kvstrata.tiers.host import HostSlab
-from kvstrata.tiers.priority import name_this_thread
+from kvstrata.tiers.priority import worker_thread
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ class CpuStager(DeviceStager):
         copy_threads: threads one job's chunk copies are spread over (default: up to 4, at most
             the cores). A restored prefix is tens to hundreds of MB landing in KV pages touched
             for the first time; one core page-faults through it at 3-4 GB/s, two nearly double
-            that. 1 copies on the calling thread.
+            that. 1 copies on the calling thread. The threads run on every CPU of the server,
+            not only the OpenMP core a CPU worker's threads inherit (``priority.worker_thread``).
     """
 
     copies_on_host: ClassVar[bool] = True
@@ -84,7 +85,7 @@ class CpuStager(DeviceStager):
         self._np_rows = [[layer.rows.numpy() for layer in layers] for layers in self._layers]
         threads = min(4, os.cpu_count() or 1) if copy_threads is None else copy_threads
         self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-copy", initializer=name_this_thread)
+            ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-copy", initializer=worker_thread)
             if threads > 1 else None
         )
 
