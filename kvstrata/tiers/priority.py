@@ -102,8 +102,8 @@ def thread_policy(native_id: int | None = None) -> int | None:
 
 def process_cpus() -> frozenset[int] | None:
     """The CPUs any thread of this process may run on: in a vLLM CPU worker, the cores its OpenMP
-    threads were bound to one by one (those vLLM gave this worker: a ``taskset``, a cpuset or
-    its NUMA node hold). None where the platform cannot tell."""
+    threads were bound to one by one (those vLLM gave this worker, within any ``taskset`` or
+    cpuset). None where the platform cannot tell."""
     if not hasattr(os, "sched_getaffinity"):
         return None
     try:
