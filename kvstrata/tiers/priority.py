@@ -138,4 +138,3 @@ def worker_thread() -> None:
     widen it off the OpenMP core it inherited."""
     name_this_thread()
     widen_this_thread()
-

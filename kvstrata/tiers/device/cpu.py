@@ -65,8 +65,8 @@ class CpuStager(DeviceStager):
         copy_threads: threads one job's chunk copies are spread over (default: up to 4, at most
             the cores). A restored prefix is tens to hundreds of MB landing in KV pages touched
             for the first time; one core page-faults through it at 3-4 GB/s, two nearly double
-            that. 1 copies on the calling thread. The threads run on every CPU of the server,
-            not only the OpenMP core a CPU worker's threads inherit (``priority.worker_thread``).
+            that. 1 copies on the calling thread. The threads run on every core the worker's
+            threads were given, not only the OpenMP core they inherit (``priority.worker_thread``).
     """
 
     copies_on_host: ClassVar[bool] = True
