@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from usage_helper import refusal
 
 from benchmarks import cold_store_cost
 
@@ -18,11 +19,7 @@ from benchmarks import cold_store_cost
     (["--kvstrata-config", "{"], "--kvstrata-config: not JSON"),
 ])
 def test_bad_options_name_what_is_wrong(argv, message, capsys) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cold_store_cost.parse_args(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in refusal(cold_store_cost.parse_args, argv, capsys)
 
 
 @pytest.mark.slow

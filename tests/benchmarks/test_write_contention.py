@@ -9,6 +9,7 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
+from usage_helper import refusal
 
 from benchmarks import write_contention
 
@@ -22,11 +23,7 @@ from benchmarks import write_contention
     (["--repeat", "0"], "--repeat positive"),
 ])
 def test_bad_options_name_what_is_wrong(argv, message, capsys) -> None:
-    with pytest.raises(SystemExit) as exc:
-        write_contention.parse_args(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in refusal(write_contention.parse_args, argv, capsys)
 
 
 def test_every_variant_reports_its_figures(tmp_path: Path, capsys) -> None:
@@ -40,8 +37,9 @@ def test_every_variant_reports_its_figures(tmp_path: Path, capsys) -> None:
         assert row["forward_it_per_s"] > 0 and row["forward_vs_none"] > 0, (variant, row)
         [run] = result["runs"][variant]
         if variant != "none":
-            # Paced at 40/s for 0.25 s: about ten chunks each, every one timed.
-            assert 5 <= run["chunks"] <= 12 and row["cpu_ms_per_chunk"] >= 0, (variant, run)
+            # Paced at 40/s for 0.25 s: at most eleven chunks however fast the writes (how many
+            # a loaded machine gets through is timing, not asserted), every one timed.
+            assert 1 <= run["chunks"] <= 11 and row["cpu_ms_per_chunk"] >= 0, (variant, run)
     assert set(result["size_sweep"]["8192"]) == {"buffered_cpu_ms_per_write", "odirect_cpu_ms_per_write"}
     assert list(tmp_path.iterdir()) == []  # its scratch directory is gone
 
