@@ -78,14 +78,19 @@ def test_self_describing_events_over_zmq_across_a_restart(tmp_path: Path) -> Non
     sub = Subscriber(endpoint)
     try:
         # Every chunk of the prompts (full chunks, and each prompt's tail) reaches the disk before
-        # the tick publishes what the disk reported: waited for in the store itself.
+        # the tick publishes what the disk reported: waited for in the store itself. The tick's
+        # own tail is stored too; the phase ends by waiting for it and ticking once more (its
+        # chunk is stored by then, so nothing new), else its event could be left unpublished
+        # while the restart announces it.
         chunk = case.chunk
         full = {tuple(p[: (i + 1) * chunk]) for p in PROMPTS for i in range(len(p) // chunk)}
         tails = {tuple(p) for p in PROMPTS if len(p) % chunk}
         written = {"op": "wait_disk_entries", "path": str(tmp_path / "store"),
                    "at_least": len(full) + len(tails), "timeout_s": 120}
+        with_tick = {**written, "at_least": len(full) + len(tails) + 1}
         first = run_phase(opts, [generate_step("cold"), written, tick,
-                                 {"op": "reset_prefix_cache"}, generate_step("host")],
+                                 {"op": "reset_prefix_cache"}, generate_step("host"),
+                                 with_tick, {**tick, "name": "last_tick"}],
                           tmp_path / "first.log")
         events_1 = sub.take()
         restart = run_phase(opts, [{"op": "drop_page_cache", "required": True}, generate_step("disk")],
