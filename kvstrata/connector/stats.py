@@ -33,7 +33,8 @@ COUNTERS = {
     "store_jobs": "Store jobs (device -> host)",
     "bytes_loaded": "Bytes copied host -> device",
     "bytes_stored": "Bytes copied device -> host",
-    "load_seconds": "Seconds spent in host -> device copies",
+    "load_seconds": "Seconds load jobs took: a synchronous one until the forward could start "
+                    "(chunks still landing from disk included), others until reported done",
     "store_seconds": "Seconds spent in device -> host copies",
     "allocation_failures": "Stores refused: no free host slot",
     "load_failures": "Load jobs that failed (request recomputed)",

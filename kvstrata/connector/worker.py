@@ -49,8 +49,10 @@ class StrataWorker:
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()
         # Results taken early (synchronous loads are checked before the forward); reported
-        # with the others by get_finished.
+        # with the others by get_finished, their time measured to when they were taken (a
+        # synchronous load's seconds are what the forward waited, not the forward as well).
         self._early: list[tuple[int, bool]] = []
+        self._ended: dict[int, float] = {}
         self._invalid_blocks: set[int] = set()
         # Requests whose synchronous load failed this step: their stores must not run.
         self._failed_sync: set[str] = set()
@@ -137,10 +139,10 @@ class StrataWorker:
                 self.stager.load(job_id, transfers)
                 if job_id in landing:
                     sync.append(job_id)
-            self._early.extend(self.landing.poll())
+            self._take_early(self.landing.poll())
         # CPU: the copies ran inside _submit. Accelerators: the forward is launched after this.
         self.stager.wait(sync)
-        self._early.extend(self.stager.poll())
+        self._take_early(self.stager.poll())
         self._failed_sync.update(
             self._submitted[job_id].req_id for job_id, ok in self._early
             if not ok and job_id in self._submitted and self._submitted[job_id].sync)
@@ -167,6 +169,11 @@ class StrataWorker:
         # The stores that ran in a failed synchronous load's step are handled by now.
         self._failed_sync.clear()
 
+    def _take_early(self, results: list[tuple[int, bool]]) -> None:
+        now = time.perf_counter()
+        self._ended.update((job_id, now) for job_id, _ in results)
+        self._early.extend(results)
+
     def _submit_store(self, job: TransferJob, after: Any = None) -> None:
         if job.req_id in self._failed_sync:
             self._fail(job)
@@ -177,7 +184,7 @@ class StrataWorker:
         """Report a job failed without copying anything."""
         self._submitted[job.job_id] = job
         self._started[job.job_id] = time.perf_counter()
-        self._early.append((job.job_id, False))
+        self._take_early([(job.job_id, False)])
 
     def _submit(self, job: TransferJob, after: Any = None) -> None:
         assert self.stager is not None, "register_kv_caches was not called"
@@ -207,7 +214,7 @@ class StrataWorker:
         early, self._early = self._early, []
         for job_id, ok in acked + early + self.stager.poll() + self.landing.poll():
             job = self._submitted.pop(job_id)
-            elapsed = time.perf_counter() - self._started.pop(job_id)
+            elapsed = self._ended.pop(job_id, time.perf_counter()) - self._started.pop(job_id)
             # A rank that only acknowledged a replicated store moved no bytes.
             nbytes = self._job_bytes(job) if self.plan.writes_stores or not job.is_store else 0
             target = self._meta.completed if ok else self._meta.failed

@@ -532,6 +532,26 @@ def test_the_worker_holds_copies_from_a_step_start_until_its_forward_is_launched
     worker.shutdown()
 
 
+def test_a_synchronous_load_counts_what_the_forward_waited_not_the_forward():
+    """``load_seconds`` of a synchronous load ends when start_load_kv took its result, before
+    the forward; get_finished reports it only after the forward (earlier versions counted the
+    forward as load time)."""
+    _fill_random(MODEL, 16)
+    host = _host(MODEL)
+    worker, stager, dev = _worker(MODEL, host)
+    sync = TransferJob(4, "d", False, [ChunkCopy(0, 1, 0, (9, 10))], sync=True)
+    t0 = time.perf_counter()
+    worker.start_load_kv(StrataMetadata(loads=[sync]))
+    waited = time.perf_counter() - t0
+    time.sleep(0.3)  # the forward
+    worker.wait_for_save(StrataMetadata())
+    assert worker.get_finished() == (set(), set(), set())  # vLLM runs it at once: no recving
+    meta = worker.build_worker_meta()
+    assert meta.completed == {4: 1} and meta.bytes_loaded > 0
+    assert 0 < meta.load_seconds <= waited, (meta.load_seconds, waited)
+    worker.shutdown()
+
+
 def test_a_build_without_the_copy_primitives_is_refused_at_start_up():
     """XPU or CUDA builds lacking vLLM's swap_blocks_batch (this CPU wheel has none) are refused
     with the missing primitive named, not failed at the first transfer."""
