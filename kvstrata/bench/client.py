@@ -39,10 +39,43 @@ class RequestResult:
     output_ids: list[int] = field(default_factory=list)
     # First token's top-k logprobs {token id: logprob} (when asked).
     top_logprobs: dict[int, float] | None = None
+    # The longest prefix of this prompt that an earlier request had already sent (its prompt,
+    # or its prompt and answer once it finished): what a cache of unbounded size could serve.
+    reusable_tokens: int = 0
 
 
 def digest(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SeenPrefixes:
+    """Every token sequence the workload sent so far, to measure each new prompt's reusable
+    prefix (``RequestResult.reusable_tokens``): a request's prompt counts from the moment it
+    is sent (its prefill is under way), its answer once it finished."""
+
+    def __init__(self) -> None:
+        self._seqs: list[list[int]] = []
+
+    def add(self, tokens: list[int]) -> int:
+        """Record ``tokens`` (sent now); returns its index for :meth:`extend`."""
+        self._seqs.append(tokens)
+        return len(self._seqs) - 1
+
+    def extend(self, index: int, tokens: list[int]) -> None:
+        """The sequence at ``index`` grew (a finished request's answer)."""
+        self._seqs[index] = tokens
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        return max((common_prefix(prompt, s) for s in self._seqs), default=0)
 
 
 class _RoundRobin:
@@ -126,16 +159,19 @@ async def stream_completion(session: Any, base: str, model: str, prompt: list[in
 
 async def _user(session: Any, bases: Sequence[str], model: str, wl: Workload, u: int,
                 rr: _RoundRobin, t0: float, results: list[RequestResult],
-                done: Callable[[RequestResult], None], logprobs: int | None) -> None:
+                done: Callable[[RequestResult], None], logprobs: int | None,
+                seen: SeenPrefixes) -> None:
     script = wl.users[u]
     await asyncio.sleep(max(0.0, script.arrival_s - (time.perf_counter() - t0)))
     prompt = list(script.first_prompt)
     for r in range(wl.spec.rounds):
         server = rr.next()
         res = RequestResult(user=u, round=r, server=server, prompt_tokens=len(prompt),
-                            prompt_digest=digest(prompt))
+                            prompt_digest=digest(prompt), reusable_tokens=seen.reusable(prompt))
+        sent = seen.add(prompt)
         await stream_completion(session, bases[server], model, prompt, wl.spec.max_tokens, res,
                                 t0, logprobs)
+        seen.extend(sent, prompt + res.output_ids)
         results.append(res)
         done(res)
         if r + 1 == wl.spec.rounds:
@@ -152,11 +188,12 @@ async def _run(bases: Sequence[str], model: str, wl: Workload,
 
     results: list[RequestResult] = []
     rr = _RoundRobin(len(bases))
+    seen = SeenPrefixes()
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         t0 = time.perf_counter()
         await asyncio.gather(*(_user(session, bases, model, wl, u, rr, t0, results, done,
-                                     logprobs) for u in range(len(wl.users))))
+                                     logprobs, seen) for u in range(len(wl.users))))
         return results, time.perf_counter() - t0
 
 

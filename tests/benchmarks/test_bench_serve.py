@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.bench import configs, report, serve, server
-from kvstrata.bench.client import RequestResult
+from kvstrata.bench.client import RequestResult, SeenPrefixes, common_prefix
 from kvstrata.bench.peers import PeerUnavailable
 from kvstrata.bench.server import (
     ApiServer,
@@ -29,10 +29,11 @@ from kvstrata.tools.cli import main
 TOP_LEVEL = ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "ttft_p99_vs_native_best",
              "throughput_vs_vllm", "throughput_vs_native_best", "errors", "chart",
              "ttft_mean_vs_lmcache", "configs", "workload", "clean_stops", "tracebacks",
-             "shutdown_tracebacks")
+             "shutdown_tracebacks", "computed_tokens_vs_native_best")
 PER_CONFIG = ("ttft_samples_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
               "output_tok_per_s", "errors", "hit_tokens", "ttft_mean_by_round_s", "clean_stop",
-              "tracebacks", "shutdown_tracebacks", "cpu_s", "requests_detail", "loadavg_start")
+              "tracebacks", "shutdown_tracebacks", "cpu_s", "requests_detail", "loadavg_start",
+              "computed_tokens", "floor_tokens")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,6 +115,47 @@ def test_figures_and_ratios() -> None:
     assert r["errors"] == 1
 
 
+def test_the_floor_counts_what_no_earlier_request_had_sent() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
+    assert common_prefix([7, 8], [7, 8, 9]) == 2 and common_prefix([9], [8]) == 0
+    seen = SeenPrefixes()
+    system, ctx_a, ctx_b = [1] * 10, [2] * 30, [3] * 20
+    first_a = system + ctx_a
+    assert seen.reusable(first_a) == 0
+    a = seen.add(first_a)
+    # The second user shares the system prompt with the first, whose prefill is under way.
+    assert seen.reusable(system + ctx_b) == 10
+    seen.add(system + ctx_b)
+    # The first user's next round: its prompt, its answer (once it finished) and a question.
+    answer, question = [4] * 5, [5] * 3
+    assert seen.reusable(first_a + answer + question) == 40  # the answer is not known yet
+    seen.extend(a, first_a + answer)
+    assert seen.reusable(first_a + answer + question) == 45
+    results = [RequestResult(user=0, round=0, server=0, prompt_tokens=40, reusable_tokens=0),
+               RequestResult(user=1, round=0, server=0, prompt_tokens=30, reusable_tokens=10),
+               RequestResult(user=0, round=1, server=0, prompt_tokens=48, reusable_tokens=45),
+               RequestResult(user=0, round=2, server=0, prompt_tokens=48, reusable_tokens=48)]
+    # Each prompt past its reusable prefix, and at least the one token vLLM always computes.
+    assert report.floor_tokens(results) == 40 + 20 + 3 + 1
+    assert report.summarise(results, wall_s=1.0)["floor_tokens"] == 64
+    hits = {"vllm_prefix_cache": 30.0, "external": 50.0, "kvstrata_disk": 50.0}
+    assert report.computed_tokens(166, hits) == 86
+    assert report.computed_tokens(166, {"vllm_prefix_cache": 30.0}) == 136  # no connector
+    assert report.computed_tokens(166, {}) is None  # the server did not report
+
+
+def test_computed_tokens_are_compared_with_the_peer_that_computed_fewest() -> None:
+    runs = {"vllm": {"ttft_mean_s": 2.0, "computed_tokens": 900},
+            "vllm_cpu_offload": {"ttft_mean_s": 1.0, "computed_tokens": 700},
+            "vllm_tiered_fs": {"ttft_mean_s": 1.5, "computed_tokens": 500},
+            "kvstrata": {"ttft_mean_s": 0.5, "computed_tokens": 450}}
+    assert report.ratios(runs)["computed_tokens_vs_native_best"] == 0.9
+    runs["vllm_tiered_fs"]["computed_tokens"] = None
+    assert report.ratios(runs)["computed_tokens_vs_native_best"] == round(450 / 700, 3)
+    del runs["kvstrata"]["computed_tokens"]
+    assert report.ratios(runs)["computed_tokens_vs_native_best"] is None
+
+
 def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
     def run(ttfts: list[float], wall: float, **extra) -> tuple[dict, list[RequestResult]]:
         results = [_result(i, 0, t) for i, t in enumerate(ttfts)]
@@ -122,8 +164,10 @@ def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
                "hit_tokens": {"kvstrata_disk": 256.0}, **extra}
         return fig, results
 
-    first, second = run([1.0, 3.0], 2.0), run([2.0, 6.0, 10.0], 4.0, kvstrata={"store_jobs": 2.0})
+    first = run([1.0, 3.0], 2.0, computed_tokens=120)
+    second = run([2.0, 6.0, 10.0], 4.0, kvstrata={"store_jobs": 2.0}, computed_tokens=80)
     fig = report.pooled([first, second, ({"failed": "no start"}, [])])
+    assert fig["computed_tokens"] == 200 and fig["floor_tokens"] == 500  # 5 cold 100-token prompts
     assert fig["runs"] == 2 and fig["runs_failed"] == 1 and fig["requests"] == 5
     assert fig["ttft_mean_s"] == 4.4 and fig["ttft_p50_s"] == 3.0
     assert fig["ttft_p99_s"] == report.percentile([1.0, 2.0, 3.0, 6.0, 10.0], 99)
@@ -133,6 +177,8 @@ def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
     assert fig["shutdown_tracebacks"] == 2 and fig["clean_stop"] and fig["stores_clean_shutdown"]
     second[0]["clean_stop"] = False
     assert report.pooled([first, second])["clean_stop"] is False
+    second[0]["computed_tokens"] = None  # one run without vLLM's counters: no sum
+    assert report.pooled([first, second])["computed_tokens"] is None
     assert report.pooled([({"skipped": "x"}, [])]) == {"skipped": "x"}
     spread = report.spread([{"ttft_mean_vs_vllm": 0.3, "ttft_p99_vs_native_best": 0.9},
                             {"ttft_mean_vs_vllm": 0.2, "ttft_p99_vs_native_best": None},
@@ -268,6 +314,11 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
             assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
             assert fig["tracebacks"] == 0, fig["log_problems"]
             assert fig["cpu_s"][0]["total"] > 0 and len(fig["requests_detail"]) == 2, fig
+            # Two users share the system prompt: the second could reuse it, nothing else.
+            reusable = sorted(r["reusable_tokens"] for r in fig["requests_detail"])
+            assert reusable[0] == 0 and 64 <= reusable[1] < 300, reusable
+            assert fig["floor_tokens"] == fig["prompt_tokens"] - reusable[1], fig
+            assert fig["floor_tokens"] <= fig["computed_tokens"] <= fig["prompt_tokens"], fig
             assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
         assert run["configs"]["kvstrata"]["stores_clean_shutdown"] is True
     ttft = result["ratio_spread"]["ttft_mean_vs_vllm"]
