@@ -42,6 +42,9 @@ class RequestResult:
     # The longest prefix of this prompt that an earlier request had already sent (its prompt,
     # or its prompt and answer once it finished): what a cache of unbounded size could serve.
     reusable_tokens: int = 0
+    # Prompt tokens the server did not compute (its usage's ``cached_tokens``: vLLM's prefix
+    # cache and a connector's hits); None when it did not say.
+    cached_tokens: int | None = None
 
 
 def digest(ids: list[int]) -> str:
@@ -131,6 +134,9 @@ async def stream_completion(session: Any, base: str, model: str, prompt: list[in
                 if "error" in chunk:
                     result.error = str(chunk["error"])[:200]
                     return
+                cached = ((chunk.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+                if isinstance(cached, int):
+                    result.cached_tokens = cached
                 for choice in chunk.get("choices") or []:
                     ids = choice.get("token_ids") or []
                     if not ids:

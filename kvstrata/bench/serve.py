@@ -217,7 +217,8 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         # Every request, so configurations can be compared request by request.
         fig["requests_detail"] = [
             {"user": r.user, "round": r.round + 1, "server": r.server, "prompt_tokens": r.prompt_tokens,
-             "reusable_tokens": r.reusable_tokens, "start_s": round(r.start_s, 3),
+             "reusable_tokens": r.reusable_tokens, "cached_tokens": r.cached_tokens,
+             "start_s": round(r.start_s, 3),
              "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4), "ok": r.ok} for r in results]
         hits: dict[str, float] = {}
         for b, a in zip(before, after, strict=True):

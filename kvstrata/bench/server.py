@@ -78,6 +78,9 @@ class ServerSpec:
                "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
                # Stored KV is found again only if block hashes agree across processes.
                "--prefix-caching-hash-algo", "sha256", "--seed", "0",
+               # Each response's usage then says how many prompt tokens were cached (vLLM's own
+               # prefix cache and a connector's hits): the bench's per-request reuse.
+               "--enable-prompt-tokens-details",
                # vLLM's default (0) kills the engine core at SIGTERM before a connector's
                # shutdown runs (README, "Use it").
                "--shutdown-timeout", str(self.shutdown_timeout_s)]

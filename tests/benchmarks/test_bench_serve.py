@@ -319,6 +319,12 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
             assert reusable[0] == 0 and 64 <= reusable[1] < 300, reusable
             assert fig["floor_tokens"] == fig["prompt_tokens"] - reusable[1], fig
             assert fig["floor_tokens"] <= fig["computed_tokens"] <= fig["prompt_tokens"], fig
+            # Each response said how many of its prompt tokens the server did not compute (at
+            # least one it always computes); vLLM's counters count a preempted request's hits
+            # again when it is admitted again, never less.
+            cached = [(r["cached_tokens"], r["prompt_tokens"]) for r in fig["requests_detail"]]
+            assert all(isinstance(c, int) and 0 <= c < n for c, n in cached), cached
+            assert sum(c for c, _ in cached) <= fig["prompt_tokens"] - fig["computed_tokens"], (cached, fig)
             assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
         assert run["configs"]["kvstrata"]["stores_clean_shutdown"] is True
     ttft = result["ratio_spread"]["ttft_mean_vs_vllm"]
