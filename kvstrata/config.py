@@ -23,11 +23,14 @@ from kvstrata.remote_address import RemoteURLError, parse_remote_url
 DEFAULT_STORE_ENV = "KVSTRATA_STORE"
 DEFAULT_HOST_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 64 << 30
+DEFAULT_DISK_RESERVE = 1 << 30
 MAX_AUTO_IO_THREADS = 4
 MAX_SIZE_BYTES = 1 << 60  # 1 EiB: beyond any disk or memory, still a 64-bit count
 
 # Numbers in strings are ASCII only: no Unicode digits ("²", "٤"), "nan", "inf" or underscores.
 _INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
+_SHARE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*", re.ASCII)
+_MAX_RESERVE_SHARE = 50  # per cent of the file system
 _SIZE_RE = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))\s*([a-z]*)\s*", re.ASCII | re.IGNORECASE)
 _SECONDS_RE = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?\s*", re.ASCII | re.IGNORECASE)
 _UNITS = {
@@ -90,6 +93,11 @@ class StrataConfig:
     store_path: Path = field(default_factory=default_store_path)
     host_bytes: int = DEFAULT_HOST_BYTES
     disk_bytes: int = DEFAULT_DISK_BYTES
+    # Free space the disk tier leaves on its file system, a size or a share of the file system
+    # ("5%"): once a write would take the file system below it, the store stops growing and makes
+    # room by evicting its least recently used chunks, whatever disk_bytes allows (a full file
+    # system fails every program on it). 0: none.
+    disk_reserve: int | str = DEFAULT_DISK_RESERVE
     disk: bool = True
     blocks_per_chunk: int = 1
     codec: Literal["auto", "raw"] = "auto"
@@ -187,6 +195,22 @@ class StrataConfig:
     remote_auth_key_file: Path | None = None
     remote_password_file: Path | None = None
     remote_tls_ca_file: Path | None = None
+
+    def resolve_disk_reserve(self, store_path: Path) -> int:
+        """``disk_reserve`` in bytes; a share is of the file system ``store_path`` is (or will
+        be) on. A file system that cannot be examined gets no reserve from a share."""
+        if isinstance(self.disk_reserve, int):
+            return self.disk_reserve
+        m = _SHARE_RE.fullmatch(self.disk_reserve)
+        assert m is not None  # validated
+        path = store_path
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return 0
+        return int(Fraction(m.group(1)) * st.f_blocks * st.f_frsize / 100)
 
     def resolve_io_threads(self) -> int:
         """The number of disk read threads (``io_threads``, "auto" resolved here)."""
@@ -379,6 +403,7 @@ _VALIDATORS = {
     "store_path": _path,
     "host_bytes": lambda k, v: _min_size(k, v, 1 << 20),
     "disk_bytes": lambda k, v: _min_size(k, v, 1 << 20),
+    "disk_reserve": lambda k, v: _reserve(k, v),
     "disk": _bool,
     "blocks_per_chunk": _int_range(1, 4096),
     "codec": _choice("auto", "raw"),
@@ -461,6 +486,17 @@ def _remote_url(key: str, value: Any) -> str | None:
     except RemoteURLError as exc:
         raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
     return str(value).strip()
+
+
+def _reserve(key: str, value: Any) -> int | str:
+    """A byte size, or a share of the file system such as "5%" (at most 50 %)."""
+    if isinstance(value, str) and "%" in value:
+        m = _SHARE_RE.fullmatch(value)
+        if m is None or Fraction(m.group(1)) > _MAX_RESERVE_SHARE:
+            raise ConfigError(f"kvstrata option {key!r}: expected a byte size or a share from 0% to "
+                              f"{_MAX_RESERVE_SHARE}% of the file system, got {_shown(value)}")
+        return value.strip()
+    return parse_size(key, value)
 
 
 def _min_size(key: str, value: Any, minimum: int) -> int:

@@ -94,7 +94,7 @@ def build_hierarchy(
             )
         disk = DiskStore(
             store_path, budget_bytes=cfg.disk_bytes, level=cfg.zstd_level, codec=cfg.codec,
-            max_age_s=cfg.max_age_s,
+            max_age_s=cfg.max_age_s, reserve_bytes=cfg.resolve_disk_reserve(Path(store_path)),
             # In "auto" the store's LMDB writer and sync threads keep normal priority: the
             # urgent writes that catch up must not queue behind an idle thread (their CPU is
             # small beside compression, which the write-behind's own threads do).

@@ -1087,3 +1087,23 @@ def test_replicated_kv_is_stored_once_and_served_to_every_rank(runners) -> None:
     rank0, rank1 = (w.worker.stager for w in r.workers)
     assert rank0.bytes_stored > 0 and rank1.bytes_stored == 0
     assert rank0.bytes_loaded == rank1.bytes_loaded > 0
+
+
+@pytest.mark.parametrize("short_of_space", [False, True])
+def test_the_disk_reserve_reaches_the_store(runners, tmp_path: Path, short_of_space: bool) -> None:
+    """``disk_reserve`` is the disk tier's: a reserve the file system cannot give leaves an empty
+    store nothing to evict, so nothing goes to disk (counted) while the host tier still serves;
+    the default reserve (1 GiB) lets the same prompt reach the disk."""
+    import shutil
+
+    extra = {"disk_reserve": shutil.disk_usage(tmp_path).free + (1 << 40)} if short_of_space else {}
+    r = runners([G("full", 16)], extra=extra)
+    assert _store_then_serve(r, _prompt(100)) == 100  # from the host tier either way
+    hierarchy = r.connector.scheduler.hierarchy
+    hierarchy.close()  # every accepted write done
+    disk = hierarchy.stats()["tiers"]["disk"]
+    assert disk["reserve_bytes"] == extra.get("disk_reserve", 1 << 30), disk
+    if short_of_space:
+        assert disk["entries"] == 0 and disk["reserve_drops"] > 0 and disk["full_events"] == 0, disk
+    else:
+        assert disk["entries"] > 0 and disk["reserve_drops"] == 0, disk

@@ -256,3 +256,22 @@ def test_background_priority_is_auto_unless_asked() -> None:
     assert StrataConfig.from_extra_config({"background_priority": "normal"}).background_priority == "normal"
     with pytest.raises(ConfigError, match="background_priority"):
         StrataConfig.from_extra_config({"background_priority": "low"})
+
+
+def test_disk_reserve_is_a_size_or_a_share_of_the_file_system(tmp_path: Path) -> None:
+    assert StrataConfig.from_extra_config({}).disk_reserve == 1 << 30
+    assert StrataConfig.from_extra_config({"disk_reserve": "2GiB"}).resolve_disk_reserve(tmp_path) == 2 << 30
+    assert StrataConfig.from_extra_config({"disk_reserve": 0}).resolve_disk_reserve(tmp_path) == 0
+    # A share is of the file system the store will be on (it need not exist yet).
+    import os
+
+    st = os.statvfs(tmp_path)
+    share = StrataConfig.from_extra_config({"disk_reserve": " 2.5 % "})
+    assert share.disk_reserve == "2.5 %"
+    assert share.resolve_disk_reserve(tmp_path / "not" / "yet") == st.f_blocks * st.f_frsize * 25 // 1000
+
+
+@pytest.mark.parametrize("value", ["51%", "-5%", "5%%", "%", "five%", "1e2%", "5%GiB", "lots", -1, True])
+def test_bad_disk_reserves_name_the_key(value: object) -> None:
+    with pytest.raises(ConfigError, match="'disk_reserve'"):
+        StrataConfig.from_extra_config({"disk_reserve": value})

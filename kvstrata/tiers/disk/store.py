@@ -64,7 +64,9 @@ class DiskStore:
     ``mode``: the directory mode a new store is created with (files: the same bits without
     execute; ``kvstrata.fsmode``). ``auth``: every record written carries a MAC under it, and a
     record whose MAC is missing or wrong is a counted miss (``forged``) and is dropped (a store
-    on shared storage others can write to; docs/SECURITY.md).
+    on shared storage others can write to; docs/SECURITY.md). ``reserve_bytes``: free space the
+    store leaves its file system; once a put would go below it, the store stays at the size it
+    has and makes room by evicting (``kvstrata.tiers.disk.writer``; 0: no reserve).
     Every method is thread-safe.
     """
 
@@ -86,6 +88,7 @@ class DiskStore:
         evict_slack: float = 1.0 / 64,
         full_retry_s: float = 30.0,
         max_age_s: float | None = None,
+        reserve_bytes: int = 0,
         idle_writer: bool = False,
         mode: int = fsmode.DEFAULT_DIR_MODE,
         auth: ValueAuth | None = None,
@@ -117,7 +120,7 @@ class DiskStore:
                 self._env, self._counts, budget_bytes=self.budget_bytes, evict_slack=evict_slack,
                 max_age_s=max_age_s, sync_interval_s=sync_interval_s, sync_bytes=sync_bytes,
                 touch_flush_interval_s=touch_flush_interval_s, full_retry_s=full_retry_s,
-                idle=idle_writer, clock_us=clock_us)
+                reserve_bytes=reserve_bytes, idle=idle_writer, clock_us=clock_us)
             if self.unclean_shutdown:
                 self._recovery = Recovery(self._writer, self._counts)
 
@@ -287,6 +290,9 @@ class DiskStore:
             "stored_bytes": totals.stored_bytes,
             "compression_ratio": totals.raw_bytes / totals.stored_bytes if totals.stored_bytes else 1.0,
             "budget_bytes": self.budget_bytes,
+            # The file system's reserve, and the stored bytes it holds the store to (None: not now).
+            "reserve_bytes": writer.reserve_bytes if writer is not None else 0,
+            "reserve_cap_bytes": writer.reserve_cap if writer is not None else None,
             "file_bytes": file_bytes,
             "admitting": writer.admitting if writer is not None else False,
             "unclean_shutdown": self.unclean_shutdown,

@@ -7,12 +7,18 @@ transaction, docs/STORAGE.md). When a put would exceed the byte budget it evicts
 recently used records (``tiers.retention``) in the same transaction. A full map or disk stops
 admission for a while, logged once; reads go on. Access ticks are buffered in memory by reads
 and flushed in batches (reads never write).
+
+With a reserve (``reserve_bytes``) the store also leaves that much of its file system free: once
+a put would take the file system below it, the store's size is frozen where it is and new puts
+make room by evicting (the pages they free are used again, so the file stops growing); an empty
+store puts nothing. The freeze lifts once the file system has room again.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -45,7 +51,7 @@ COUNTERS = (
     "put_present", "deletes", "evictions", "evicted_bytes", "admission_drops", "too_large_drops",
     "full_events", "map_resized", "tick_flushes", "sync_errors", "recovery_checked",
     "recovery_dropped", "totals_recounted", "index_unreadable", "quarantined", "forged",
-    "forged_dropped",
+    "forged_dropped", "reserve_drops", "reserve_freezes",
 )
 
 
@@ -111,6 +117,7 @@ class Writer:
         sync_bytes: int,
         touch_flush_interval_s: float,
         full_retry_s: float,
+        reserve_bytes: int = 0,
         idle: bool = False,
         clock_us: Callable[[], int] = now_us,
     ) -> None:
@@ -127,6 +134,12 @@ class Writer:
         self._sync_bytes = sync_bytes
         self._touch_interval = touch_flush_interval_s
         self._full_retry_s = full_retry_s
+        # Free space the store leaves its file system (module docstring); while it binds, the
+        # stored bytes the store is held to, else None. Read and written on the writer thread.
+        self.reserve_bytes = max(0, reserve_bytes)
+        self.reserve_cap: int | None = None
+        self._room: int | None = None  # file system bytes above the reserve, this transaction
+        self._reserve_logged = False
         self.admitting = True
         self._retry_at = 0.0
         self._full_logged = False
@@ -359,6 +372,7 @@ class Writer:
 
     def _write_batch(self, jobs: list[PutJob]) -> list[_PutOutcome]:
         def body(txn: lmdb.Transaction) -> list[_PutOutcome]:
+            self._room = self._fs_room()
             totals = self._totals(txn)
             outcomes = [self._put(txn, totals, job) for job in jobs]
             rec.write_totals(txn, self.h, totals)
@@ -397,15 +411,52 @@ class Writer:
         if stored > self.budget_bytes:
             outcome.reason = "too_large_drops"
             return outcome
-        over = totals.stored_bytes + stored - self.budget_bytes
+        budget = self._reserve_budget(totals, stored)
+        if budget < stored:
+            outcome.reason = "reserve_drops"  # below the reserve with too little to evict
+            return outcome
+        over = totals.stored_bytes + stored - budget
         if over > 0:
-            need = over + int(self._evict_slack * self.budget_bytes)
+            need = over + int(self._evict_slack * budget)
             expire = None if self._max_age_us is None else self._clock_us() - self._max_age_us
             victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
             outcome.evicted, outcome.evicted_bytes = self.delete(txn, totals, victims)
         rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick, job.mac), totals)
+        if self._room is not None:
+            # Pages this transaction freed are used again only by later ones: count it as growth.
+            self._room -= stored
         outcome.written = True
         return outcome
+
+    # ---- the file system's reserve ------------------------------------------------------------
+
+    def _fs_room(self) -> int | None:
+        """Bytes the file system has free above the reserve (None: no reserve, or unknown)."""
+        if not self.reserve_bytes:
+            return None
+        try:
+            st = os.statvfs(self.env.path)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize - self.reserve_bytes
+
+    def _reserve_budget(self, totals: rec.Totals, stored: int) -> int:
+        """The stored bytes this put may bring the store to: the byte budget, or, while the
+        file system is at its reserve, what the store held when it got there."""
+        room = self._room
+        if room is None or room >= stored:
+            self.reserve_cap = None  # room again (or never short of it)
+            return self.budget_bytes
+        if self.reserve_cap is None:
+            self.reserve_cap = min(self.budget_bytes, totals.stored_bytes)
+            self.counts.bump("reserve_freezes")
+            if not self._reserve_logged:
+                self._reserve_logged = True
+                log.warning("store at %s: its file system is down to the %d bytes the store leaves "
+                            "free (disk_reserve); the store stays at %d stored bytes and makes room "
+                            "for new chunks by evicting the least recently used", self.env.path,
+                            self.reserve_bytes, self.reserve_cap)
+        return self.reserve_cap
 
     def _eviction_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int, int]]:
         touched = self.touched()

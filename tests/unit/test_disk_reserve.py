@@ -1,0 +1,118 @@
+"""The disk tier's file-system reserve (``reserve_bytes``, the ``disk_reserve`` option): the store
+leaves that much of its file system free, holding its size and evicting once it gets there.
+
+The filling tests run on a small tmpfs of their own (root and ``mount -t tmpfs``; skipped
+otherwise), so that nothing else writing to the machine's disks moves the free space they check.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.tiers.disk import DiskStore
+
+MiB = 1 << 20
+FS_BYTES = 48 * MiB
+VALUE = MiB  # incompressible: every stored frame is as large as the value
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True, check=False)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip() or mount.returncode}")
+    try:
+        yield mnt
+    finally:
+        if os.path.ismount(mnt) and subprocess.run(["umount", str(mnt)], check=False).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def key(i: int) -> bytes:
+    return b"R" * 16 + i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+def value(i: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, VALUE, dtype=np.uint8).tobytes()
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(store: DiskStore, mnt: Path, count: int) -> tuple[list[int], int]:
+    """Put ``count`` values one at a time; (what each put stored, the least free space seen)."""
+    stored, least = [], free_bytes(mnt)
+    for i in range(count):
+        stored.append(store.put_many([(key(i), value(i), "uint8")]))
+        least = min(least, free_bytes(mnt))
+    return stored, least
+
+
+def test_the_store_stops_growing_at_the_reserve_and_keeps_taking_chunks(small_fs: Path) -> None:
+    reserve = 16 * MiB
+    with DiskStore(small_fs / "store", budget_bytes=1 << 30, reserve_bytes=reserve) as store:
+        stored, least = fill(store, small_fs, 60)
+        st = store.stats()
+        # Every chunk was taken, by evicting the oldest once the reserve was reached; the file
+        # system never came near full.
+        assert stored == [1] * 60, stored
+        assert st["full_events"] == 0 and st["admission_drops"] == 0 and st["reserve_drops"] == 0, st
+        assert st["reserve_freezes"] >= 1 and st["evictions"] > 0, st
+        assert st["reserve_cap_bytes"] is not None and st["stored_bytes"] <= st["reserve_cap_bytes"] + VALUE
+        # One put may grow the file after the freeze (the pages its evictions free are used
+        # again by the next transaction), plus the index's own pages.
+        assert least >= reserve - 3 * VALUE, (least, reserve)
+        # The newest chunks read back exactly; the oldest made room for them.
+        out = bytearray(VALUE)
+        for i in range(55, 60):
+            assert store.get_into(key(i), out) == VALUE and bytes(out) == value(i)
+        assert store.contains_many([key(0)]) == [False]
+
+
+def test_without_a_reserve_the_same_puts_fill_the_file_system(small_fs: Path) -> None:
+    # The control: the budget alone lets the store take the whole file system.
+    with DiskStore(small_fs / "store", budget_bytes=1 << 30, full_retry_s=3600) as store:
+        stored, least = fill(store, small_fs, 60)
+        st = store.stats()
+    assert st["full_events"] >= 1 and 0 in stored, st
+    assert least < 4 * MiB, least
+
+
+def test_below_the_reserve_an_empty_store_puts_nothing_and_says_so(tmp_path: Path) -> None:
+    # Any file system: a reserve beyond what it has free leaves an empty store nothing to evict.
+    reserve = free_bytes(tmp_path) + (1 << 40)
+    with DiskStore(tmp_path / "store", budget_bytes=1 << 30, reserve_bytes=reserve) as store:
+        assert [store.put_many([(key(i), value(i), "uint8")]) for i in range(3)] == [0, 0, 0]
+        st = store.stats()
+        assert st["reserve_drops"] == 3 and st["entries"] == 0 and st["full_events"] == 0, st
+        assert st["reserve_bytes"] == reserve and st["reserve_cap_bytes"] == 0, st
+        assert store.contains_many([key(0)]) == [False]
+
+
+def test_the_store_grows_again_once_the_file_system_has_room(small_fs: Path) -> None:
+    reserve = 12 * MiB
+    filler = small_fs / "filler"
+    filler.write_bytes(bytes(16 * MiB))  # someone else's data
+    with DiskStore(small_fs / "store", budget_bytes=1 << 30, reserve_bytes=reserve) as store:
+        fill(store, small_fs, 40)
+        held = store.stats()
+        assert held["reserve_cap_bytes"] is not None, held
+        filler.unlink()  # they delete it: 16 MiB free again
+        for i in range(40, 50):
+            assert store.put_many([(key(i), value(i), "uint8")]) == 1
+        grown = store.stats()
+    assert grown["stored_bytes"] >= held["reserve_cap_bytes"] + 8 * MiB, (held, grown)
+    assert grown["full_events"] == 0 and free_bytes(small_fs) >= reserve - 3 * VALUE
