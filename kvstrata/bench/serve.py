@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the configurations N times, every other time in reverse order; "
                         "figures over every run's requests, each goal ratio's min/median/max "
                         "over the runs (ratio_spread), each run under runs (default 1)")
+    p.add_argument("--keep-stores", action="store_true",
+                   help="keep each configuration's stores (kvstrata's, the fs tier's, LMCache's "
+                        "disk) under OUT/work after it ran; by default they are deleted once "
+                        "checked, since every run writes a few GB")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -166,9 +171,10 @@ class Progress:
 
 
 def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
-               progress: Progress, logprobs: int | None = None,
+               progress: Progress, logprobs: int | None = None, keep_stores: bool = False,
                ) -> tuple[dict[str, Any], list[Any]]:
-    """Start the configuration's servers, replay the workload, stop them; (figures, results)."""
+    """Start the configuration's servers, replay the workload, stop them; (figures, results).
+    Their stores (``out/work/NAME``) are deleted afterwards unless ``keep_stores``."""
     from kvstrata.bench.client import run_workload
     from kvstrata.bench.server import (
         ApiServer,
@@ -182,8 +188,9 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         wait_healthy,
     )
 
+    work = out / "work" / name
     try:
-        setup = build_setup(name, base, out / "work" / name)
+        setup = build_setup(name, base, work)
     except PeerUnavailable as exc:
         progress.step(len(wl.users) * wl.spec.rounds)
         return {"skipped": str(exc)}, []
@@ -204,6 +211,9 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         # The machine's load while this configuration ran: configurations run one after
         # another, and on a shared machine a ratio is only a comparison if these agree.
         fig["loadavg_start"] = round(os.getloadavg()[0], 2)
+        # What the stores' file system had free: a run writes a few GB, and a file system
+        # near full slows (then refuses) every configuration's writes differently.
+        fig["disk_free_start_bytes"] = shutil.disk_usage(work).free
         results, wall = run_workload([s.base for s in servers], base.model, wl,
                                      done=lambda r: progress.step(), logprobs=logprobs)
         after = [scrape(s.base) for s in servers]
@@ -254,6 +264,8 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         fig["log_problems"] = (serving + stopping)[:6]
         fig.update(setup.close())
     fig["stores_clean_shutdown"] = _stores_clean(setup.stores)
+    if not keep_stores:
+        shutil.rmtree(work, ignore_errors=True)
     return fig, results
 
 
@@ -300,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             figs: dict[str, dict[str, Any]] = {}
             for name in order:
                 fig, results = run_config(name, base, wl, out if args.repeat == 1 else out / f"run_{rep + 1}",
-                                          progress)
+                                          progress, keep_stores=args.keep_stores)
                 figs[name] = fig
                 runs[name].append((fig, results))
                 # Each configuration's figures are on disk as soon as it is done (a long run

@@ -18,6 +18,7 @@ server on the same store; the host tier starts empty), and vLLM's fs tier after 
 from __future__ import annotations
 
 import argparse
+import shutil
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def equivalence(args: argparse.Namespace, model: Path, spec: WorkloadSpec, out: 
     figs: dict[str, Any] = {}
     for label, config in (("reference", "vllm"), ("control", "vllm"), ("kvstrata", "kvstrata")):
         fig, results = run_config(config, base, wl, out / "equivalence" / label, progress,
-                                  logprobs=TOP_K)
+                                  logprobs=TOP_K, keep_stores=args.keep_stores)
         runs[label] = results
         figs[label] = {k: fig.get(k) for k in ("errors", "ttft_mean_s", "hit_tokens",
                                                "clean_stop", "skipped", "failed")}
@@ -177,6 +178,9 @@ def sweep(args: argparse.Namespace, model: Path, lengths: list[int], out: Path,
             s.stop()
     except (ServerError, PeerUnavailable) as exc:
         notes["vllm_fs_failed"] = str(exc)[-400:]
+    if not args.keep_stores:  # the logs beside them stay
+        for store in (work / "kvstrata", work / "vllm_fs"):
+            shutil.rmtree(store, ignore_errors=True)
     chart = report.sweep_chart(out / "sweep_ttft.png", series,
                                f"{model.name}: TTFT against prompt length (one request at a time)")
     return {"ttft_s": series, "chart": chart, **notes}

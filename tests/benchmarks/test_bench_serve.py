@@ -33,7 +33,7 @@ TOP_LEVEL = ("ttft_mean_vs_vllm", "ttft_mean_vs_native_best", "ttft_p99_vs_nativ
 PER_CONFIG = ("ttft_samples_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
               "output_tok_per_s", "errors", "hit_tokens", "ttft_mean_by_round_s", "clean_stop",
               "tracebacks", "shutdown_tracebacks", "cpu_s", "requests_detail", "loadavg_start",
-              "computed_tokens", "floor_tokens")
+              "computed_tokens", "floor_tokens", "disk_free_start_bytes")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -327,6 +327,10 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
             assert sum(c for c, _ in cached) <= fig["prompt_tokens"] - fig["computed_tokens"], (cached, fig)
             assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
         assert run["configs"]["kvstrata"]["stores_clean_shutdown"] is True
+    # Each configuration's stores are deleted once checked (no --keep-stores); the logs stay.
+    for i, run in enumerate(("run_1", "run_2")):
+        assert not (out / run / "work" / "kvstrata").exists() and (out / run / "logs").is_dir()
+        assert result["runs"][i]["configs"]["kvstrata"]["disk_free_start_bytes"] > 0
     ttft = result["ratio_spread"]["ttft_mean_vs_vllm"]
     assert ttft["min"] <= ttft["median"] <= ttft["max"], ttft
     # The top-level figures pool both runs' requests.
