@@ -395,9 +395,11 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             out.update(
                 disk_entries=int(d["entries"]), disk_raw_bytes=int(d["raw_bytes"]),
                 disk_stored_bytes=int(d["stored_bytes"]), disk_evictions=int(d.get("evictions", 0)),
-                # Chunks that never reached the disk: refused by it, or postponed by the
-                # write-behind and evicted from the host tier before their write.
-                disk_admission_drops=int(d.get("admission_drops", 0)) + int(d.get("writes_lost", 0)),
+                # Chunks that never reached the disk: refused by it (full, or its file system at
+                # the reserve with nothing to evict), or postponed by the write-behind and evicted
+                # from the host tier before their write.
+                disk_admission_drops=int(d.get("admission_drops", 0)) + int(d.get("reserve_drops", 0))
+                + int(d.get("writes_lost", 0)),
                 disk_errors=int(d.get("sync_errors", 0)) + int(d.get("writes_failed", 0)),
                 disk_corrupt=int(d.get("corrupt", 0)) + int(h.get("promotions_failed", 0)),
                 disk_forged=int(d.get("forged", 0)),

@@ -1105,5 +1105,13 @@ def test_the_disk_reserve_reaches_the_store(runners, tmp_path: Path, short_of_sp
     assert disk["reserve_bytes"] == extra.get("disk_reserve", 1 << 30), disk
     if short_of_space:
         assert disk["entries"] == 0 and disk["reserve_drops"] > 0 and disk["full_events"] == 0, disk
+        # Counted in the metrics as chunks the disk refused (tier figures refresh once a second).
+        import time
+
+        deadline = time.monotonic() + 5
+        while "disk_admission_drops" not in (gauges := r.connector.scheduler.take_stats().data):
+            assert time.monotonic() < deadline, gauges
+            time.sleep(0.1)
+        assert gauges["disk_admission_drops"] >= disk["reserve_drops"], gauges
     else:
         assert disk["entries"] > 0 and disk["reserve_drops"] == 0, disk
