@@ -211,8 +211,8 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         # The machine's load while this configuration ran: configurations run one after
         # another, and on a shared machine a ratio is only a comparison if these agree.
         fig["loadavg_start"] = round(os.getloadavg()[0], 2)
-        # What the stores' file system had free: a run writes a few GB, and a file system
-        # near full slows (then refuses) every configuration's writes differently.
+        # What the stores' file system had free as this configuration started (a run writes
+        # a few GB; docs/BENCHMARKS.md on a run whose disk filled up).
         fig["disk_free_start_bytes"] = shutil.disk_usage(work).free
         results, wall = run_workload([s.base for s in servers], base.model, wl,
                                      done=lambda r: progress.step(), logprobs=logprobs)
