@@ -35,7 +35,7 @@ from kvstrata import auth, fsmode
 from kvstrata.config import StrataConfig
 from kvstrata.connector.keys import namespace_info
 from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata
-from kvstrata.connector.plan import KVPlan, build_plan
+from kvstrata.connector.plan import KVPlan, build_plan, open_host_slab
 from kvstrata.connector.stats import StrataPromMetrics, StrataStats
 from kvstrata.remote_address import parse_remote_url
 
@@ -66,7 +66,7 @@ def build_hierarchy(
     """
     from kvstrata.tiers.disk import DiskStore
     from kvstrata.tiers.hierarchy import DEFAULT_WRITE_INFLIGHT_BYTES, Hierarchy
-    from kvstrata.tiers.host import HostPool, HostSlab, sweep_stale_slabs
+    from kvstrata.tiers.host import HostPool, sweep_stale_slabs
 
     disk_auth, remote_auth, remote_password = auth.read_secrets(cfg)  # before anything is opened
     # Engines killed without a clean shutdown leave their host tier behind in shared memory.
@@ -74,7 +74,7 @@ def build_hierarchy(
     if stale:
         logger.info("kvstrata: removed %d host slab(s) of engines that are gone, freeing %.1f GiB",
                     len(stale), sum(n for _, n in stale) / 2**30)
-    slab = HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
+    slab = open_host_slab(plan)
     pool = HostPool(slab, policy=cfg.eviction)
     disk = None
     session_dir: Path | None = None

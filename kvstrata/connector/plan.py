@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm.config import ParallelConfig, VllmConfig
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -24,9 +25,12 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvstrata.config import StrataConfig
+from kvstrata.config import ConfigError, StrataConfig
 from kvstrata.connector import keys as keymod
 from kvstrata.semantics import GroupGeometry, GroupKind, Layout
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.host import HostSlab
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,27 @@ def _refuse_unsupported_parallelism(parallel: ParallelConfig) -> None:
                 f"kvstrata does not support {what} ({name}={size}); tensor parallelism "
                 "(tensor_parallel_size) and data parallelism are supported"
             )
+
+
+def open_host_slab(plan: KVPlan) -> HostSlab:
+    """The host tier's slab at ``plan.slab_path``; a :class:`ConfigError` saying what to change
+    when its file system cannot hold it (a container's /dev/shm is 64 MiB by default)."""
+    from kvstrata.tiers.host import HostSlab
+
+    try:
+        return HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
+    except MemoryError as exc:
+        where = plan.slab_path.parent
+        try:
+            st = os.statvfs(where)
+            free = f", which has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free"
+        except OSError:
+            free = ""
+        need = plan.slot_bytes * plan.num_slots / 2**20
+        raise ConfigError(
+            f"kvstrata's host tier needs {need:.0f} MiB in {where}{free}: give it more room (a "
+            f"container's /dev/shm is 64 MiB unless it runs with --shm-size or --ipc=host), point "
+            f"the option 'host_shm_dir' at a larger tmpfs, or lower 'host_bytes' ({exc})") from None
 
 
 def _default_shm_dir() -> Path:

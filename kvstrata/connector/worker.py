@@ -25,7 +25,7 @@ import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, TransferJob
-from kvstrata.connector.plan import KVPlan
+from kvstrata.connector.plan import KVPlan, open_host_slab
 from kvstrata.tiers.device import DeviceStager, Transfer, allow_amx_tiles, make_stager
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.landing import LandingWaiter
@@ -61,7 +61,7 @@ class StrataWorker:
         plan = self.plan
         if any(t.device.type == "cpu" for t in kv_caches.values()):
             allow_amx_tiles()
-        self.slab = HostSlab(plan.slab_path, plan.slot_bytes, plan.num_slots, create=True)
+        self.slab = open_host_slab(plan)
         # The stager indexes groups by position: give it every group of the engine (a chunk
         # copy names its vLLM group index); only offloaded groups ever appear in jobs.
         groups = self.kv_cache_config.kv_cache_groups

@@ -128,6 +128,9 @@ class HostSlab:
                 # at first touch of a page, in the middle of a transfer.
                 os.posix_fallocate(fd, 0, self.file_bytes)
             except OSError as exc:
+                if create and size == 0:  # created here: leave nothing behind
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path)
                 raise MemoryError(
                     f"cannot reserve {self.file_bytes} bytes for host slab {self.path}: {exc}"
                 ) from exc
