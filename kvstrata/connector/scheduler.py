@@ -403,6 +403,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
                 disk_errors=int(d.get("sync_errors", 0)) + int(d.get("writes_failed", 0)),
                 disk_corrupt=int(d.get("corrupt", 0)) + int(h.get("promotions_failed", 0)),
                 disk_forged=int(d.get("forged", 0)),
+                disk_reserve_capped=int(d.get("reserve_cap_bytes") is not None),
                 disk_writes_urgent=int(d.get("writes_urgent", 0)),
                 disk_write_reuse=float(d.get("write_reuse", 0.0)),
             )

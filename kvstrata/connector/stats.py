@@ -44,6 +44,8 @@ COUNTERS = {
 GAUGES = (
     "host_chunks", "host_bytes", "disk_entries", "disk_raw_bytes", "disk_stored_bytes",
     "disk_evictions", "disk_admission_drops", "disk_errors", "disk_corrupt", "disk_forged",
+    # 1 while the disk tier keeps its size because its file system is down to disk_reserve.
+    "disk_reserve_capped",
     "promotions", "warm_promotions", "writes_behind",
     # Disk writes run on normal-priority threads to catch up, and the share of what the disk
     # was given that requests came back for (tiers/hierarchy/reuse.py).

@@ -1103,18 +1103,21 @@ def test_the_disk_reserve_reaches_the_store(runners, tmp_path: Path, short_of_sp
     hierarchy.close()  # every accepted write done
     disk = hierarchy.stats()["tiers"]["disk"]
     assert disk["reserve_bytes"] == extra.get("disk_reserve", 1 << 30), disk
+    # The metrics' tier figures (refreshed once a second).
+    import time
+
+    deadline = time.monotonic() + 5
+    while "disk_admission_drops" not in (gauges := r.connector.scheduler.take_stats().data):
+        assert time.monotonic() < deadline, gauges
+        time.sleep(0.1)
     if short_of_space:
         assert disk["entries"] == 0 and disk["reserve_drops"] > 0 and disk["full_events"] == 0, disk
-        # Counted in the metrics as chunks the disk refused (tier figures refresh once a second).
-        import time
-
-        deadline = time.monotonic() + 5
-        while "disk_admission_drops" not in (gauges := r.connector.scheduler.take_stats().data):
-            assert time.monotonic() < deadline, gauges
-            time.sleep(0.1)
+        # Chunks the disk refused, and the disk held to its size (empty) by the reserve.
         assert gauges["disk_admission_drops"] >= disk["reserve_drops"], gauges
+        assert gauges["disk_reserve_capped"] == 1, gauges
     else:
         assert disk["entries"] > 0 and disk["reserve_drops"] == 0, disk
+        assert gauges["disk_admission_drops"] == 0 and gauges["disk_reserve_capped"] == 0, gauges
 
 
 def test_a_host_tier_its_shared_memory_cannot_hold_is_a_clear_error(runners, tmp_path: Path) -> None:
