@@ -1,11 +1,13 @@
 """Shared test set-up: make the integration harness and the repository's ``benchmarks`` package
-importable (it is not installed with kvstrata), the ``redis_server`` fixture, and the lines the
-session prints at its end, from this process or from pytest-xdist's workers."""
+importable (it is not installed with kvstrata), the ``redis_server`` and ``tmpfs`` fixtures, and
+the lines the session prints at its end, from this process or from pytest-xdist's workers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,31 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Small file systems of a test's own: ``tmpfs("12m")`` mounts a tmpfs of that size and
+    returns its mount point (unmounted after the test, if the test did not). Needs root and a
+    working ``mount -t tmpfs``; the test is skipped otherwise."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        if os.path.ismount(mnt) and subprocess.run(["umount", str(mnt)], check=False).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)  # still busy: detach it
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a worker finished

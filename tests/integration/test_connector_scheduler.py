@@ -1120,26 +1120,16 @@ def test_the_disk_reserve_reaches_the_store(runners, tmp_path: Path, short_of_sp
         assert gauges["disk_admission_drops"] == 0 and gauges["disk_reserve_capped"] == 0, gauges
 
 
-def test_a_host_tier_its_shared_memory_cannot_hold_is_a_clear_error(runners, tmp_path: Path) -> None:
+def test_a_host_tier_its_shared_memory_cannot_hold_is_a_clear_error(runners, tmpfs) -> None:
     """A container's /dev/shm is 64 MiB unless it runs with --shm-size or --ipc=host: a host tier
     larger than the free space of its directory stops the engine with what to change, not with
     the file system's ENOSPC alone. Needs root for a small tmpfs (skipped otherwise)."""
     import os
-    import subprocess
 
     from kvstrata.config import ConfigError
 
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(shm)],
-                      capture_output=True, check=False).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        with pytest.raises(ConfigError, match=r"host tier needs 64 MiB in .*shm, which has [0-9]+ MiB "
-                                              r"free.*--shm-size.*'host_shm_dir'.*'host_bytes'"):
-            runners([G("full", 16)], extra={"host_shm_dir": str(shm), "host_bytes": "64MiB"})
-        assert os.listdir(shm) == []  # nothing left behind
-    finally:
-        subprocess.run(["umount", "-l", str(shm)], check=False)
+    shm = tmpfs("8m")
+    with pytest.raises(ConfigError, match=r"host tier needs 64 MiB in .*, which has [0-9]+ MiB "
+                                          r"free.*--shm-size.*'host_shm_dir'.*'host_bytes'"):
+        runners([G("full", 16)], extra={"host_shm_dir": str(shm), "host_bytes": "64MiB"})
+    assert os.listdir(shm) == []  # nothing left behind

@@ -10,10 +10,9 @@ unmounting serves exactly the records it should and is sound.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,22 +24,8 @@ SIZE = "12m"
 
 
 @pytest.fixture
-def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(mnt)],
-        capture_output=True, text=True, check=False,
-    )
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip() or mount.returncode}")
-    try:
-        yield mnt
-    finally:
-        if os.path.ismount(mnt) and subprocess.run(["umount", str(mnt)], check=False).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)  # still busy: detach it
+def tiny_fs(tmpfs: Callable[[str], Path]) -> Path:
+    return tmpfs(SIZE)
 
 
 def test_full_file_system_drops_puts_and_keeps_serving(tiny_fs: Path, tmp_path: Path) -> None:
