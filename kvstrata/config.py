@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from decimal import Decimal
@@ -207,10 +208,10 @@ class StrataConfig:
         while not path.exists() and path != path.parent:
             path = path.parent
         try:
-            st = os.statvfs(path)
+            total = shutil.disk_usage(path).total
         except OSError:
             return 0
-        return int(Fraction(m.group(1)) * st.f_blocks * st.f_frsize / 100)
+        return int(Fraction(m.group(1)) * total / 100)
 
     def resolve_io_threads(self) -> int:
         """The number of disk read threads (``io_threads``, "auto" resolved here)."""

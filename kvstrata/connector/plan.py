@@ -8,6 +8,7 @@ agree on byte offsets without talking to each other.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from functools import partial
@@ -190,8 +191,7 @@ def open_host_slab(plan: KVPlan) -> HostSlab:
     except MemoryError as exc:
         where = plan.slab_path.parent
         try:
-            st = os.statvfs(where)
-            free = f", which has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free"
+            free = f", which has {shutil.disk_usage(where).free / 2**20:.0f} MiB free"
         except OSError:
             free = ""
         need = plan.slot_bytes * plan.num_slots / 2**20

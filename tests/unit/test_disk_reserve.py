@@ -7,7 +7,7 @@ otherwise), so that nothing else writing to the machine's disks moves the free s
 
 from __future__ import annotations
 
-import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,8 +35,7 @@ def value(i: int) -> bytes:
 
 
 def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    return shutil.disk_usage(path).free
 
 
 def fill(store: DiskStore, mnt: Path, count: int) -> tuple[list[int], int]:

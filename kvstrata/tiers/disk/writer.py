@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -435,10 +435,9 @@ class Writer:
         if not self.reserve_bytes:
             return None
         try:
-            st = os.statvfs(self.env.path)
+            return shutil.disk_usage(self.env.path).free - self.reserve_bytes
         except OSError:
             return None
-        return st.f_bavail * st.f_frsize - self.reserve_bytes
 
     def _reserve_budget(self, totals: rec.Totals, stored: int) -> int:
         """The stored bytes this put may bring the store to: the byte budget, or, while the
