@@ -10,7 +10,7 @@ live, from the tier ``Hierarchy``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -56,6 +56,8 @@ class LookupMixin:
     if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
         def _refresh_keys(self, st: RequestState) -> None: ...
         def _prompt_tail_keys(self, st: RequestState) -> dict[int, bytes] | None: ...
+        def _tail_extension_candidates(
+            self, st: RequestState, start: int, lengths: range) -> list[tuple[int, dict[int, bytes]]]: ...
         def _geom(self, index: int) -> semantics.GroupGeometry: ...
         def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
 
@@ -133,6 +135,10 @@ class LookupMixin:
             being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__,
         )
         st.prompt_tail_hit = hit is not None and complete is not None and hit > complete
+        st.extension_keys = None
+        if hit == complete:  # neither the prompt's own tail nor waiting for it
+            hit, st.extension_keys = self._tail_extension_hit(
+                st, request, complete, num_computed_tokens, max_num_new_tokens, probe)
         self.stats.lookups += 1
         if hit is None:
             self.stats.lookup_deferrals += 1
@@ -154,6 +160,40 @@ class LookupMixin:
                         and (self.sync_loads_wait_for_disk or not self.stream_loads
                              or not self.hierarchy.in_flight(list(answered))))
         return hit, hit > 0 and not st.sync_load
+
+    def _tail_extension_hit(
+        self, st: RequestState, request: Request, complete: int | None, local: int,
+        max_new_tokens: int | None, probe: Callable[[Iterable[bytes]], list[Presence]],
+    ) -> tuple[int | None, Mapping[int, bytes] | None]:
+        """The complete hit extended by a stored tail this longer prompt starts with
+        (``semantics.tail_extension``), or left as it is. While the complete hit defers, the
+        chunks some tier holds say where it will end, and that chunk's tail starts promoting."""
+        if not self.layout.serves_prompt_tails:
+            return complete, None
+        hit_end = local + complete if complete is not None else self._held_chunks_end(st, local)
+        span = semantics.tail_extension_span(
+            self.layout, hit_end=hit_end, num_tokens=request.num_tokens, local_computed=local,
+            max_new_tokens=max_new_tokens, max_load_tokens=st.max_load_tokens)
+        if span is None:
+            return complete, None
+        start, lengths = span
+        candidates = self._tail_extension_candidates(st, start, lengths)
+        if not candidates:
+            return complete, None
+        return semantics.tail_extension_hit(
+            self.layout, complete_hit=complete, local_computed=local, start=start,
+            candidates=candidates, probe=probe,
+            being_loaded=None if self._being_loaded is None else self._being_loaded.__contains__)
+
+    def _held_chunks_end(self, st: RequestState, local: int) -> int:
+        """Where the first group's chunks that some tier holds (or is getting) end, from the
+        chunk holding ``local`` on: what a deferred lookup's hit will reach once they landed."""
+        geom = self.layout.groups[0]
+        first = local // geom.tokens_per_chunk
+        keys = st.groups[geom.index].keys[first:]
+        held = self.hierarchy.holds_many(keys)
+        run = next((i for i, h in enumerate(held) if not h), len(held))
+        return max(local, (first + run) * geom.tokens_per_chunk)
 
     def _record_lookup_hits(self, st: RequestState, keys: list[bytes], answers: list[Presence]) -> None:
         """Snapshot the request for every chunk of a full-attention group a lookup found, so its
@@ -224,11 +264,14 @@ class LookupMixin:
                     break
             load_start[geom.index] = start
             block_ids[geom.index] = [b.block_id for b in group_blocks[:n_gpu]]
-        tail_keys = None
+        tail_keys: Mapping[int, bytes] | None = None
         boundary, st.partial_boundary = st.partial_boundary, None
         tail_start = semantics.prompt_tail_start(self.layout, request.num_prompt_tokens)
         if st.prompt_tail_hit and tail_start is not None and cached > tail_start:
             tail_keys = st.prompt_tail_keys
+        elif st.extension_keys is not None:
+            tail_keys, st.extension_keys = st.extension_keys, None
+            self.stats.tail_extensions += 1
         elif boundary is not None:
             if boundary != cached:
                 raise RuntimeError(

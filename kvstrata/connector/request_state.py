@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -51,6 +52,12 @@ class RequestState:
     prompt_tail_keys: dict[int, bytes] | None = None
     prompt_tail_hashed: bool = False
     prompt_tail_hit: bool = False
+    # A stored tail serving this longer prompt (semantics.tail_extension): the candidate tails'
+    # hashes by length, for the chunk start they were computed at, and the keys of the tail the
+    # last lookup's hit ends in (None: it ends elsewhere).
+    extension_start: int | None = None
+    extension_digests: dict[int, bytes] = field(default_factory=dict)
+    extension_keys: Mapping[int, bytes] | None = None
     # Whether the last lookup's hit is loaded synchronously (before its step's forward).
     sync_load: bool = False
     # Tokens kvstrata served this request by the tier they came from (its last load that

@@ -116,6 +116,53 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         if semantics.prompt_tail_start(self.layout, req.num_prompt_tokens) is None:
             st.prompt_tail_hashed = True  # never: no tail, or not served for this layout
             return None
+        end = req.num_prompt_tokens
+        keys = semantics.prompt_tail_keys(
+            self.layout, req.block_hashes, end, lambda parent, start: self._hash_span(req, parent, start, end))
+        if keys is None:
+            return None  # the prefix's block hashes are not all there yet
+        st.prompt_tail_keys = keys
+        st.prompt_tail_hashed = True
+        return st.prompt_tail_keys
+
+    def _tail_keys(self, st: RequestState, start: int, end: int) -> dict[int, bytes] | None:
+        """Per group, the tail key of the request's tokens ``start..end`` (a chunk start and a
+        point inside that chunk); None while the hash ending at ``start`` is not there."""
+        req = st.req
+        tph = self.layout.tokens_per_hash
+        if start and len(req.block_hashes) < start // tph:
+            return None
+        parent = req.block_hashes[start // tph - 1] if start else None
+        digest = self._hash_span(req, parent, start, end)
+        return {g.index: semantics.make_key(digest, g.index) for g in self.layout.groups}
+
+    def _tail_extension_candidates(
+        self, st: RequestState, start: int, lengths: range
+    ) -> list[tuple[int, dict[int, bytes]]]:
+        """The stored tails a longer prompt could be served from (``semantics.tail_extension``):
+        per length in ``lengths`` (longest first), the key every group would store a prompt of
+        ``start + t`` tokens' tail under, kept only where some tier holds the first group's.
+        The hashes are computed once per request and chunk start (a waiting request is looked
+        up again every step); the tiers are asked every lookup (a tail may have landed since)."""
+        req = st.req
+        tph = self.layout.tokens_per_hash
+        if start and len(req.block_hashes) < start // tph:
+            return []
+        if st.extension_start != start:
+            st.extension_start, st.extension_digests = start, {}
+        digests = st.extension_digests
+        parent = req.block_hashes[start // tph - 1] if start else None
+        for t in lengths:
+            if t not in digests:
+                digests[t] = self._hash_span(req, parent, start, start + t)
+        groups = [g.index for g in self.layout.groups]
+        candidates = [(t, {g: semantics.make_key(digests[t], g) for g in groups}) for t in lengths]
+        held = self.hierarchy.holds_many([keys[groups[0]] for _, keys in candidates])
+        return [c for c, h in zip(candidates, held, strict=True) if h]
+
+    def _hash_span(self, req: Request, parent: bytes | None, start: int, end: int) -> bytes:
+        """vLLM's ``hash_block_tokens`` of the request's tokens ``start:end`` chained to ``parent``
+        (the hash ending at ``start``, None at 0), with the extra keys a full block there gets."""
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import (
             BlockHash,
@@ -125,19 +172,9 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
 
         if self._block_hash_fn is None:
             self._block_hash_fn = get_hash_fn_by_name(self.plan.identity.hash_algo)
-        hash_fn, end = self._block_hash_fn, req.num_prompt_tokens
-
-        def hash_tail(parent: bytes | None, start: int) -> bytes:
-            extra, _ = generate_block_hash_extra_keys(req, start, end, 0)
-            parent_hash = None if parent is None else BlockHash(parent)
-            return hash_block_tokens(hash_fn, parent_hash, req.all_token_ids[start:end], extra)
-
-        keys = semantics.prompt_tail_keys(self.layout, req.block_hashes, end, hash_tail)
-        if keys is None:
-            return None  # the prefix's block hashes are not all there yet
-        st.prompt_tail_keys = keys
-        st.prompt_tail_hashed = True
-        return st.prompt_tail_keys
+        extra, _ = generate_block_hash_extra_keys(req, start, end, 0)
+        parent_hash = None if parent is None else BlockHash(parent)
+        return bytes(hash_block_tokens(self._block_hash_fn, parent_hash, req.all_token_ids[start:end], extra))
 
     def _geom(self, index: int) -> semantics.GroupGeometry:
         for g in self.layout.groups:
@@ -163,7 +200,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         if self._block_jobs and not self._block_jobs.keys().isdisjoint(self._allocated):
             for bid in self._allocated & self._block_jobs.keys():
                 self._flush.update(self._block_jobs[bid])
-        stores = self._finished_hand_offs + self._boundary_store_jobs(so) + self._store_jobs(so) + self._prompt_tail_store_jobs(so)
+        stores = (self._finished_hand_offs + self._boundary_store_jobs(so) + self._store_jobs(so)
+                  + self._prompt_tail_store_jobs(so) + self._answer_tail_store_jobs(so))
         self._finished_hand_offs = []
         meta = StrataMetadata(loads=self._loads, stores=stores, flush=self._flush)
         for req_id in so.finished_req_ids or ():

@@ -28,6 +28,8 @@ COUNTERS = {
     "hit_tokens_disk": "Tokens served after promotion from the disk tier",
     "hit_tokens_remote": "Tokens served after promotion from the shared (Redis/Valkey) tier",
     "load_jobs": "Load jobs (device <- host)",
+    "tail_extensions": "Loads ending in a stored prompt's tail that a longer prompt starts with "
+                       "(a multi-turn follow-up served inside the block its previous prompt ended in)",
     "streamed_loads": "Load jobs sent before all their chunks landed from disk (stream_loads)",
     "sync_loads": "Load jobs copied before the forward of the step that computes their request (sync_loads)",
     "store_jobs": "Store jobs (device -> host)",

@@ -1,6 +1,7 @@
 """Scheduler side, stores: which of a request's chunks each step offloads (full chunks, the
-prompt's tail, the states the scheduler hands off at a boundary), the host slots they go to, and
-the fences that keep their blocks from being reused before the copy.
+prompt's tail, the answer's tail at finish, the states the scheduler hands off at a boundary),
+the host slots they go to, and the fences that keep their blocks from being reused before the
+copy.
 
 ``StoreJobsMixin`` is one half of ``StrataScheduler`` (``connector/scheduler.py``), which holds
 the state it reads and writes and the helpers it calls (``_prompt_tail_keys``, ``_geom``,
@@ -43,6 +44,7 @@ class StoreJobsMixin:
 
     if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
         def _prompt_tail_keys(self, st: RequestState) -> dict[int, bytes] | None: ...
+        def _tail_keys(self, st: RequestState, start: int, end: int) -> dict[int, bytes] | None: ...
         def _geom(self, index: int) -> semantics.GroupGeometry: ...
         def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
 
@@ -65,6 +67,34 @@ class StoreJobsMixin:
                 tail_keys=self._prompt_tail_keys(st),
                 max_offload_tokens=st.max_offload_tokens,
             )
+            if not transfers:
+                continue
+            reserved = self._reserve(transfers)
+            if reserved is not None and reserved[0]:
+                jobs.append(self._store_job(st, *reserved))
+        return jobs
+
+    def _answer_tail_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
+        """Store the chunk holding the end of a finished request's answer as a tail (with
+        ``offload_prompt_only`` false): the next turn of the conversation starts with it."""
+        if self.offload_prompt_only or not self.layout.serves_prompt_tails:
+            return []
+        jobs: list[TransferJob] = []
+        for req_id in so.finished_req_ids or ():
+            st = self._reqs.get(req_id)
+            if st is None or st.req.status is RequestStatus.FINISHED_ABORTED:
+                continue
+            req = st.req
+            end = self._offloadable(st, so)
+            start = semantics.prompt_tail_start(self.layout, end)
+            if start is None or end <= req.num_prompt_tokens:
+                continue
+            tail_keys = self._tail_keys(st, start, end)
+            if tail_keys is None:
+                continue
+            transfers = semantics.plan_answer_tail_store(
+                self.layout, num_prompt_tokens=req.num_prompt_tokens, offloadable=end,
+                block_ids={g: gs.block_ids for g, gs in st.groups.items()}, tail_keys=tail_keys)
             if not transfers:
                 continue
             reserved = self._reserve(transfers)

@@ -71,6 +71,13 @@ Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
     computed_before, computed_after, block_ids, tail_keys, max_offload_tokens=None)``: the tail
     chunk of every group, in the step that completes the prompt. Loads reuse ``plan_load``'s
     ``tail_keys``.
+    ``tail_extension_span(layout, *, complete_hit, num_tokens, local_computed, ...) -> (S,
+    lengths) | None`` and ``tail_extension_hit(layout, *, complete_hit, local_computed, start,
+    candidates, probe, being_loaded=None) -> (hit | None, tail keys | None)``: a stored tail of
+    ``t`` tokens serves a longer prompt that starts with it, to ``S + t`` (R21a; multi-turn
+    follow-ups). ``plan_answer_tail_store(layout, *, num_prompt_tokens, offloadable, block_ids,
+    tail_keys)``: at a finish with the answer offloaded, the chunk holding the end of its KV as
+    a tail (what the next turn starts with).
 Stores (``store``)
     ``offloadable_tokens(*, num_computed, num_scheduled, num_tokens, num_prompt_tokens, finished,
     aborted, offload_prompt_only, max_offload_tokens) -> int`` (§3.8 D1-D2).
@@ -118,6 +125,7 @@ from kvstrata.semantics.lookup import (
     worthwhile_hit,
 )
 from kvstrata.semantics.prompt_tail import (
+    plan_answer_tail_store,
     plan_prompt_tail_store,
     prompt_tail_end,
     prompt_tail_hit,
@@ -131,6 +139,7 @@ from kvstrata.semantics.store import (
     sliding_reachable_mask,
     storable_chunks,
 )
+from kvstrata.semantics.tail_extension import tail_extension_hit, tail_extension_span
 from kvstrata.semantics.transfers import (
     ChunkTransfer,
     chunks_covered,
@@ -157,6 +166,7 @@ __all__ = [
     "mamba_reachable_mask",
     "offloadable_tokens",
     "partial_tail_hit",
+    "plan_answer_tail_store",
     "plan_boundary_stores",
     "plan_load",
     "plan_partial_tail_stores",
@@ -171,6 +181,8 @@ __all__ = [
     "round_down",
     "sliding_reachable_mask",
     "storable_chunks",
+    "tail_extension_hit",
+    "tail_extension_span",
     "window_run",
     "worthwhile_hit",
 ]

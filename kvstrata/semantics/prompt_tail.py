@@ -7,8 +7,8 @@ attention, no drafter), kvstrata also stores the chunk holding the prompt's end 
 key*: vLLM's block hash of the partial block's tokens chained to the prefix
 (``hash_block_tokens``, computed by the adapter), so it names exactly this prompt. A later
 request with the same prompt loads every chunk plus the tail and recomputes only the last token
-(docs/SEMANTICS.md R21). A prompt that merely starts with it is a different key: a tail serves the prompt it ends,
-never a longer one.
+(docs/SEMANTICS.md R21). A longer prompt that starts with it finds it through its own first tokens
+past the chunk start (``tail_extension``, R21a).
 
 The tail page is the whole chunk's pages; positions past the prompt's end hold whatever the
 blocks held, and a load never claims them (the hit ends at the prompt's end, and the forward
@@ -148,11 +148,43 @@ def plan_prompt_tail_store(
         or (max_offload_tokens is not None and max_offload_tokens < num_prompt_tokens)
     ):
         return []
+    return _tail_transfers(layout, start, num_prompt_tokens, block_ids, tail_keys)
+
+
+def plan_answer_tail_store(
+    layout: Layout,
+    *,
+    num_prompt_tokens: int,
+    offloadable: int,
+    block_ids: Mapping[int, Sequence[int]],
+    tail_keys: Mapping[int, bytes] | None,
+) -> list[ChunkTransfer]:
+    """When a request finished with its answer offloaded (``offload_prompt_only`` false): the
+    chunk holding the end of the KV it wrote, every group, as a tail of those tokens.
+
+    ``offloadable``: ``offloadable_tokens`` of the finished request (the final sampled token's
+    slot is never written). Its complete chunks are stored as they fill; the partial one past
+    them would otherwise be lost, and a multi-turn follow-up (the prompt, this answer, a new
+    turn) starts with exactly these tokens (R21a serves it). Nothing when the answer adds no KV
+    past the prompt (the prompt's own tail covers it), for a one-token tail, or when a block is
+    not allocated. ``tail_keys``: per group, the tail key of tokens ``prompt_tail_start(layout,
+    offloadable)`` to ``offloadable``.
+    """
+    start = prompt_tail_start(layout, offloadable)
+    if tail_keys is None or start is None or offloadable <= num_prompt_tokens:
+        return []
+    return _tail_transfers(layout, start, offloadable, block_ids, tail_keys)
+
+
+def _tail_transfers(layout: Layout, start: int, end: int, block_ids: Mapping[int, Sequence[int]],
+                    tail_keys: Mapping[int, bytes]) -> list[ChunkTransfer]:
+    """Every group's blocks of the partial chunk ``start..end`` under its tail key; nothing when
+    one of them is not allocated (the null block)."""
     out: list[ChunkTransfer] = []
     for geom in layout.groups:
         first = start // geom.tokens_per_block
-        ids = tuple(block_ids[geom.index][first : cdiv(num_prompt_tokens, geom.tokens_per_block)])
-        if len(ids) != cdiv(num_prompt_tokens, geom.tokens_per_block) - first or 0 in ids:
+        ids = tuple(block_ids[geom.index][first : cdiv(end, geom.tokens_per_block)])
+        if len(ids) != cdiv(end, geom.tokens_per_block) - first or 0 in ids:
             return []
         out.append(ChunkTransfer(geom.index, start // geom.tokens_per_chunk, tail_keys[geom.index], ids, 0))
     return out

@@ -88,9 +88,10 @@ def test_store_finish_drop_serve(runners, name, groups, spec, n, expected) -> No
 
 
 def test_prefix_of_a_longer_prompt_is_served(runners) -> None:
+    """8 complete chunks and the 2-token tail the shorter prompt stored (R21a)."""
     r = runners([G("full", 16)])
     base = _prompt(200)
-    assert _store_then_serve(r, base[:130], again=base) == 128
+    assert _store_then_serve(r, base[:130], again=base) == 130
 
 
 def test_served_chunks_come_from_disk_after_restart(runners, tmp_path: Path) -> None:
@@ -538,13 +539,19 @@ def test_prompt_tail_is_stored_and_served(runners, max_tokens: int) -> None:
     assert _store_then_serve(r, _prompt(100), max_tokens=max_tokens) == 100
 
 
-def test_prompt_tail_names_its_exact_prompt(runners) -> None:
-    """Same chunks, another last token: the tail is not served; nor to a prompt that extends it."""
+def test_prompt_tail_names_its_exact_tokens(runners) -> None:
+    """Same chunks, another last token: the tail is not served (to that prompt, nor to one that
+    extends it); a prompt that starts with the stored tokens is (R21a)."""
     r = runners([G("full", 16)])
     base = _prompt(100)
-    assert _store_then_serve(r, base, again=[*base[:99], base[99] + 1]) == 96
+    other = [*base[:99], base[99] + 1]
+    assert _store_then_serve(r, base, again=other) == 96
     r.drop_gpu_prefix_cache()
-    assert r.serve(_prompt(120), 1) == 96
+    assert r.serve([*other, *_prompt(20, seed=2)], 1) == 100  # other's own tail, stored just now
+    r.drop_gpu_prefix_cache()
+    assert r.serve([*base[:98], base[98] + 1, *_prompt(20, seed=3)], 1) == 96  # no stored tail fits
+    r.drop_gpu_prefix_cache()
+    assert r.serve(_prompt(120), 1) == 100
     assert r.load_errors == []
 
 
@@ -573,6 +580,113 @@ def test_prompt_tail_served_from_disk_after_restart(runners, tmp_path: Path) -> 
     assert second.serve(_prompt(100), 1) == 100
     assert second.load_errors == []
     assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] == 7  # 6 chunks + the tail
+
+
+# ---- a stored tail serves a longer prompt that starts with it (semantics.tail_extension) ----------
+# A multi-turn follow-up is its previous prompt, the answer and a new turn: the previous prompt's
+# tail (stored with it) serves the block it ended in. The hit ends short of the request's last
+# token, so no rewind follows, with or without a sliding window (R21a).
+EXTENSION_SCENARIOS = [
+    ("fa", [G("full", 16)], {}),
+    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], {}),
+    ("fa-tp2", [G("full", 16)], {"tp": 2}),
+]
+
+
+@pytest.mark.parametrize(("name", "groups", "kw"), EXTENSION_SCENARIOS, ids=[s[0] for s in EXTENSION_SCENARIOS])
+def test_a_longer_prompt_is_served_the_tail_it_starts_with(runners, name, groups, kw) -> None:
+    r = runners(groups, **kw)
+    assert _store_then_serve(r, _prompt(100), max_tokens=3, again=_prompt(120)) == 100
+    assert r.stats.data["tail_extensions"] == 1
+    # Its own chunk at 96 (a full one now) and its tail are stored: served whole next time.
+    r.drop_gpu_prefix_cache()
+    assert r.serve(_prompt(120), 1) == (120 if name != "fa-sw" else 119)
+    assert r.load_errors == []
+
+
+def test_the_longest_stored_tail_that_fits_is_served(runners) -> None:
+    r = runners([G("full", 16)])
+    # Tails of 4 and 10 tokens after the same 6 chunks; the second prompt is served the first's
+    # tail already, past vLLM's own 6 blocks.
+    assert [r.serve(_prompt(n), 1) for n in (100, 106)] == [0, 4]
+    r.drop_gpu_prefix_cache()
+    assert r.serve([*_prompt(104), *_prompt(20, seed=2)], 1) == 100  # diverges inside the 10-token tail
+    r.drop_gpu_prefix_cache()
+    assert r.serve(_prompt(140), 1) == 106
+    r.drop_gpu_prefix_cache()
+    assert r.serve(_prompt(101), 1) == 100  # the 4-token tail; the 10-token one is past its last token
+    assert r.load_errors == []
+
+
+def test_a_stored_tail_serves_a_longer_prompt_from_disk_after_restart(runners, tmp_path: Path) -> None:
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(_prompt(100), 1)
+    first.close()
+    second = runners([G("full", 16)], store=store)
+    req = second.add(_prompt(120), 1)
+    second.run_until_idle()
+    assert second.served[req.request_id] == {"disk": 100}
+    assert second.load_errors == []
+    assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] == 7  # 6 chunks + the tail
+
+
+def test_a_stored_tail_past_a_gpu_prefix_hit_inside_its_chunk(runners) -> None:
+    """Chunks of 2 blocks: the 120-token prompt stores 3 chunks and a 24-token tail. vLLM's own
+    prefix cache keeps 7 blocks (112 tokens) of it, mid-chunk: kvstrata loads the tail's block
+    past them."""
+    r = runners([G("full", 16)], extra={"blocks_per_chunk": 2})
+    assert r.serve(_prompt(120), 1) == 0
+    assert r.serve(_prompt(150), 1) == 8
+    assert r.load_errors == []
+
+
+# With ``offload_prompt_only`` false the answer's KV is stored too: its complete chunks as they
+# fill, and at finish the chunk holding the end of the KV it wrote (the final sampled token's slot
+# is never written) as a tail. The next turn (prompt, answer, a new turn) is served to there.
+ANSWER_SCENARIOS = [
+    ("fa-in-the-prompt-chunk", [G("full", 16)], 8, {}),  # 100 + 7 written: a tail of 11 at 96
+    ("fa-past-a-chunk", [G("full", 16)], 20, {}),  # 119 written: chunk 96..112 and a tail of 7
+    ("fa-sw", [G("full", 16), G("sw", 16, window=32)], 20, {}),
+    ("fa-2-block-chunks", [G("full", 16)], 20, {"blocks_per_chunk": 2}),
+]
+
+
+@pytest.mark.parametrize(("name", "groups", "answer", "extra"), ANSWER_SCENARIOS,
+                         ids=[s[0] for s in ANSWER_SCENARIOS])
+def test_the_next_turn_is_served_the_answer(runners, name, groups, answer, extra) -> None:
+    r = runners(groups, extra={"offload_prompt_only": False, **extra})
+    first = r.add(_prompt(100), answer)
+    r.run_until_idle()
+    written = len(first.all_token_ids) - 1
+    assert written == 100 + answer - 1
+    r.drop_gpu_prefix_cache()
+    assert r.serve([*first.all_token_ids, *_prompt(10, seed=5)], 1) == written
+    assert r.load_errors == []
+
+
+def test_the_answer_tail_is_stored_only_with_the_answer(runners) -> None:
+    """``offload_prompt_only`` (vLLM's default): the next turn gets the prompt, its tail included."""
+    r = runners([G("full", 16)])
+    first = r.add(_prompt(100), 8)
+    r.run_until_idle()
+    r.drop_gpu_prefix_cache()
+    assert r.serve([*first.all_token_ids, *_prompt(10, seed=5)], 1) == 100
+    assert r.load_errors == []
+
+
+def test_the_answer_tail_comes_back_from_disk_after_restart(runners, tmp_path: Path) -> None:
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store, extra={"offload_prompt_only": False})
+    req = first.add(_prompt(100), 8)
+    first.run_until_idle()
+    turn = [*req.all_token_ids, *_prompt(10, seed=5)]
+    first.close()
+    second = runners([G("full", 16)], store=store, extra={"offload_prompt_only": False})
+    follow_up = second.add(turn, 1)
+    second.run_until_idle()
+    assert second.served[follow_up.request_id] == {"disk": 107}
+    assert second.load_errors == []
 
 
 # ---- tensor parallelism: every slot and every stored chunk holds one shard per rank ---------------

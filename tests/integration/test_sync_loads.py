@@ -71,11 +71,11 @@ def test_a_host_hit_runs_in_the_step_that_loads_it(runners, async_scheduling: bo
             r.step()
             steps[sync] += 1
         r.run_until_idle()
-        assert r.loaded_tokens[req.request_id] == 128
+        assert r.loaded_tokens[req.request_id] == 130
         assert r.load_errors == [], r.load_errors
         assert r.stats.data["sync_loads"] == (1 if sync else 0)
-        assert r.stats.data["hit_tokens_host"] == 128 and r.stats.data["load_failures"] == 0
-        assert r.served[req.request_id] == {"host": 128}
+        assert r.stats.data["hit_tokens_host"] == 130 and r.stats.data["load_failures"] == 0
+        assert r.served[req.request_id] == {"host": 130}
     assert steps[True] < steps[False], steps
     if not async_scheduling:
         assert steps == {True: 1, False: 2}
@@ -87,7 +87,7 @@ def test_sync_loads_on_the_accelerator_double_wait_for_their_copies(runners) -> 
     base = _prompt(200)
     r = runners([G("full", 16)], async_scheduling=True, accel=True, extra={"sync_loads": True})
     _stored_then_dropped(r, base)
-    assert r.serve(base, 1) == 128
+    assert r.serve(base, 1) == 130
     assert r.load_errors == [], r.load_errors
     assert r.stats.data["sync_loads"] == 1
 
@@ -178,9 +178,9 @@ def test_a_disk_hit_after_a_restart_runs_in_one_step_on_cpu(runners, stream: boo
         second.step()
         steps += 1
     second.run_until_idle()
-    assert second.loaded_tokens[req.request_id] == 128
+    assert second.loaded_tokens[req.request_id] == 130
     assert second.load_errors == [], second.load_errors
-    assert second.served[req.request_id] == {"disk": 128}
+    assert second.served[req.request_id] == {"disk": 130}
     assert second.stats.data["sync_loads"] == 1 and second.stats.data["load_failures"] == 0
     assert second.stats.data["lookup_deferrals"] == (0 if stream else 1)
     assert steps == (1 if stream else 2), steps

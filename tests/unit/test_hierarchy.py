@@ -236,6 +236,28 @@ def test_chunk_is_on_disk_only_when_every_shard_is(env):
     assert h2.lookup_many([key(1), key(2)]) == [PENDING, MISS]
 
 
+def test_holds_many_answers_presence_in_any_tier_and_changes_nothing(env):
+    """Choosing among candidate keys (tails of every length, most never stored) asks every tier
+    but starts no promotion and counts no lookup."""
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(1), key(2)])
+    h.close()  # on disk only from here
+    disk.delete_many([NS[1] + key(2)])  # one shard missing: not held
+    h2 = env.hier(disk)
+    store(h2, [key(3)])  # in the host tier only
+    slots = h2.prepare_store([key(4)])  # on its way into the host tier
+    counted = ("lookups", "lookup_hits", "lookup_pending", "promotions_started")
+    before = {c: h2.stats()[c] for c in counted}
+    assert h2.holds_many([key(1), key(2), key(3), key(4), key(5)]) == [True, False, True, True, False]
+    assert {c: h2.stats()[c] for c in counted} == before
+    assert not h2.in_flight([key(1)])  # no promotion started
+    assert h2.lookup_many([key(1)]) == [PENDING]  # which a lookup does
+    h2.complete_store(list(slots), success=False)
+    h2.close()
+    assert h2.holds_many([key(3)]) == [False]  # closed: holds nothing
+
+
 # ---- prefetch -------------------------------------------------------------------------------------
 
 

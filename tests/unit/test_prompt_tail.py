@@ -12,6 +12,7 @@ from kvstrata.semantics import (
     GroupKind,
     Layout,
     lookup_hit,
+    plan_answer_tail_store,
     plan_load,
     plan_prompt_tail_store,
     prompt_tail_end,
@@ -202,4 +203,27 @@ def test_the_tail_is_stored_in_the_step_that_completes_the_prompt() -> None:
     bpc4 = Layout((_fa(0, bpc=4),))
     [t] = plan_prompt_tail_store(bpc4, num_prompt_tokens=100, computed_before=0, computed_after=100,
                                  block_ids={0: blocks[0]}, tail_keys=TAILS)
+    assert (t.chunk_index, t.block_ids) == (1, (5, 6, 7))
+
+
+def test_the_answer_tail_is_the_chunk_holding_the_end_of_the_written_kv() -> None:
+    """At a finish with the answer offloaded: 100 prompt tokens and 19 written past them (119)
+    leave complete chunks to 112 and a 7-token tail in block 7; one block per chunk."""
+    blocks = {0: list(range(1, 9)), 1: list(range(11, 19))}
+
+    def plan(offloadable: int, **kw):
+        return plan_answer_tail_store(FA, num_prompt_tokens=kw.pop("n", 100), offloadable=offloadable,
+                                      block_ids=kw.pop("block_ids", blocks), tail_keys=kw.pop("tails", TAILS))
+
+    assert [(t.group, t.chunk_index, t.key, t.block_ids) for t in plan(119)] == [
+        (0, 7, b"tail-0", (8,)), (1, 7, b"tail-1", (18,))]
+    assert [t.block_ids for t in plan(107)] == [(7,), (17,)]  # inside the prompt's own last chunk
+    assert plan(100) == []  # no KV past the prompt: the prompt's tail covers it
+    assert plan(113) == []  # a one-token tail saves nothing
+    assert plan(112) == []  # chunk-aligned: the complete chunk is stored as it fills
+    assert plan(119, tails=None) == []
+    assert plan(119, block_ids={0: blocks[0], 1: [*blocks[1][:7], 0]}) == []  # a null block
+    bpc4 = Layout((_fa(0, bpc=4),))
+    [t] = plan_answer_tail_store(bpc4, num_prompt_tokens=60, offloadable=100, block_ids={0: blocks[0]},
+                                 tail_keys=TAILS)
     assert (t.chunk_index, t.block_ids) == (1, (5, 6, 7))

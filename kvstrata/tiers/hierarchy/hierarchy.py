@@ -175,6 +175,30 @@ class Hierarchy:
         return self._lookup(keys, count_offers=True, promoting=promoting, stream=stream,
                             prefix=prefix, protect=protect)
 
+    def holds_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which chunks some tier holds: the host tier (ready, or on its way in) or a lower tier
+        (every shard). Records no access, starts no promotion and counts nothing: for choosing
+        among candidate keys, most never stored, before a lookup of the chosen ones."""
+        s = self._s
+        with s.lock:
+            if s.closed:
+                return [False] * len(keys)
+            found = [h != _ABSENT for h in self.pool.lookup_many(keys, touch=False)]
+            bad = s.bad
+            rest = [i for i, f in enumerate(found) if not f and (not bad or keys[i] not in bad)]
+        for link in s.links:
+            if not rest:
+                break
+            try:
+                present = all_shards_present(link.tier, self.namespaces, [keys[i] for i in rest])
+            except Exception:
+                logger.exception("kvstrata: %s lookup failed; treating as misses", link.name)
+                present = [False] * len(rest)
+            for i, p in zip(rest, present, strict=True):
+                found[i] = p
+            rest = [i for i, p in zip(rest, present, strict=True) if not p]
+        return found
+
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
         """Start promotions for chunks only in lower tiers (a lookup without bookkeeping)."""
         return self._lookup(keys, count_offers=False)
