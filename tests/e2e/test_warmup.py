@@ -40,6 +40,12 @@ def _prompts() -> list[list[int]]:
     return [a, b, c]
 
 
+def _questions() -> list[list[int]]:
+    """Each prompt with a question of its own after it."""
+    rng = random.Random(11)
+    return [p + [rng.randrange(3, models.TINY_VOCAB - 8) for _ in range(20)] for p in _prompts()]
+
+
 def _make_setup(root: Path, make_model: Callable[[Path], Path]) -> dict[str, Any]:
     """A model, the prompts as a JSONL corpus (blank lines between them) and a store path."""
     model = make_model(root / "model")
@@ -108,23 +114,29 @@ def test_warmup_then_a_new_engine_serves_the_prefixes_from_its_first_request(
         # cache (legitimately), and vLLM's cache alone must count nothing here.
         {**gen, "name": "salted", "cache_salt": [f"another-tenant-{i}" for i in range(len(prompts))]},
         {**gen, "name": "first"},
+        # Then each warmed prompt with a question after it (a document, then what is asked of
+        # it): the warmed prompt's tail serves it to that prompt's end (docs/SEMANTICS.md R21a).
+        {"op": "reset_prefix_cache"},
+        {**gen, "name": "questions", "prompts": _questions()},
     ]
     run = _engine(setup, setup["store"], "served", steps)
     salted, served = run["salted"], run["first"]
-    baseline = _engine(setup, None, "baseline", [reference_step("ref", prompts, 8)])["ref"]
+    baseline = _engine(setup, None, "baseline", [reference_step("ref", prompts + _questions(), 8)])["ref"]
     # The salted requests (the engine's first) got nothing from kvstrata, nor from vLLM's cache.
     assert kvstrata_hits(salted) == 0, salted["metrics"]
     assert [o["num_cached_tokens"] for o in salted["outputs"]] == [0, 0, 0], salted["outputs"]
-    assert [o["token_ids"] for o in served["outputs"]] == [o["token_ids"] for o in baseline["outputs"]]
+    assert [o["token_ids"] for o in served["outputs"]] == [o["token_ids"] for o in baseline["outputs"][:3]]
     for prompt, out in zip(prompts, served["outputs"], strict=True):
         # The whole prompt is loaded (its full blocks and its tail), from disk, in the engine's
         # first batch of these prompts (vLLM then recomputes the last token).
         assert out["num_cached_tokens"] == len(prompt), out
     assert served["metrics"].get("vllm:kvstrata_hit_tokens_disk", 0) > 0, served["metrics"]
+    assert [o["num_cached_tokens"] for o in run["questions"]["outputs"]] == [len(p) for p in prompts]
+    assert run["questions"]["metrics"].get("vllm:kvstrata_tail_extensions", 0) == len(prompts)
     # The equivalence oracle: what was served (and what was not) equals vLLM alone.
-    refs = references_of([(prompts, baseline)])
-    for step in (served, salted):
-        verdicts = compare_step(refs, step, prompts)
+    refs = references_of([(prompts + _questions(), baseline)])
+    for step, asked in ((served, prompts), (salted, prompts), (run["questions"], _questions())):
+        verdicts = compare_step(refs, step, asked)
         assert not divergences(verdicts), "\n".join(divergences(verdicts))
         print(f"{step['name']}: {eq_summary(verdicts)}")
 
