@@ -57,6 +57,7 @@ class RequestState:
     # last lookup's hit ends in (None: it ends elsewhere).
     extension_start: int | None = None
     extension_digests: dict[int, bytes] = field(default_factory=dict)
+    extension_none_at: float | None = None  # when the tiers last held none of those tails
     extension_keys: Mapping[int, bytes] | None = None
     # Whether the last lookup's hit is loaded synchronously (before its step's forward).
     sync_load: bool = False

@@ -40,6 +40,9 @@ from kvstrata.tiers.manager import TierManager
 
 # Longest an empty engine step waits for promotions from disk (see StrataScheduler._idle_wait).
 IDLE_WAIT_S = 0.02
+# How long a request whose candidate prompt tails no tier held waits before the tiers are asked
+# again (StrataScheduler._tail_extension_candidates).
+EXTENSION_RECHECK_S = 0.5
 
 
 class StrataScheduler(LookupMixin, StoreJobsMixin):
@@ -143,13 +146,18 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         per length in ``lengths`` (longest first), the key every group would store a prompt of
         ``start + t`` tokens' tail under, kept only where some tier holds the first group's.
         The hashes are computed once per request and chunk start (a waiting request is looked
-        up again every step); the tiers are asked every lookup (a tail may have landed since)."""
+        up again every step); the tiers are asked again (a tail may have landed since), but at
+        most every ``EXTENSION_RECHECK_S`` while they held none: with a shared tier each ask is
+        a round trip on the scheduler's path."""
         req = st.req
         tph = self.layout.tokens_per_hash
         if start and len(req.block_hashes) < start // tph:
             return []
+        now = time.monotonic()
         if st.extension_start != start:
-            st.extension_start, st.extension_digests = start, {}
+            st.extension_start, st.extension_digests, st.extension_none_at = start, {}, None
+        elif st.extension_none_at is not None and now - st.extension_none_at < EXTENSION_RECHECK_S:
+            return []
         digests = st.extension_digests
         parent = req.block_hashes[start // tph - 1] if start else None
         for t in lengths:
@@ -158,7 +166,9 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         groups = [g.index for g in self.layout.groups]
         candidates = [(t, {g: semantics.make_key(digests[t], g) for g in groups}) for t in lengths]
         held = self.hierarchy.holds_many([keys[groups[0]] for _, keys in candidates])
-        return [c for c, h in zip(candidates, held, strict=True) if h]
+        found = [c for c, h in zip(candidates, held, strict=True) if h]
+        st.extension_none_at = None if found else now
+        return found
 
     def _hash_span(self, req: Request, parent: bytes | None, start: int, end: int) -> bytes:
         """vLLM's ``hash_block_tokens`` of the request's tokens ``start:end`` chained to ``parent``

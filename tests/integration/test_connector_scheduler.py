@@ -641,6 +641,27 @@ def test_a_stored_tail_past_a_gpu_prefix_hit_inside_its_chunk(runners) -> None:
     assert r.load_errors == []
 
 
+def test_tiers_that_held_no_candidate_tail_are_asked_again_only_after_a_while(runners, monkeypatch) -> None:
+    """A waiting request is looked up every step: its candidate tails are hashed once, and tiers
+    that held none of them (a round trip each with a shared tier) are asked at most every
+    EXTENSION_RECHECK_S."""
+    from kvstrata.connector import scheduler as sched_mod
+
+    r = runners([G("full", 16)])
+    sched = r.connector.scheduler
+    asked: list[int] = []
+    holds = sched.hierarchy.holds_many
+    monkeypatch.setattr(sched.hierarchy, "holds_many", lambda keys: asked.append(len(keys)) or holds(keys))
+    st = sched._reqs[r.add(_prompt(120), 1).request_id]
+    lengths = range(15, 1, -1)
+    assert sched._tail_extension_candidates(st, 96, lengths) == [] and asked == [14]
+    assert sched._tail_extension_candidates(st, 96, lengths) == [] and asked == [14]
+    monkeypatch.setattr(sched_mod, "EXTENSION_RECHECK_S", 0.0)
+    assert sched._tail_extension_candidates(st, 96, lengths) == [] and asked == [14, 14]
+    r.run_until_idle()  # _prompt(120) is stored, its tail at 112 included
+    assert len(st.extension_digests) == 14  # hashed once
+
+
 # With ``offload_prompt_only`` false the answer's KV is stored too: its complete chunks as they
 # fill, and at finish the chunk holding the end of the KV it wrote (the final sampled token's slot
 # is never written) as a tail. The next turn (prompt, answer, a new turn) is served to there.
