@@ -53,10 +53,10 @@ class RequestState:
     prompt_tail_hashed: bool = False
     prompt_tail_hit: bool = False
     # A stored tail serving this longer prompt (semantics.tail_extension): the candidate tails'
-    # hashes by length, for the chunk start they were computed at, and the keys of the tail the
-    # last lookup's hit ends in (None: it ends elsewhere).
+    # keys per group by length, for the chunk start they were computed at, and the keys of the
+    # tail the last lookup's hit ends in (None: it ends elsewhere).
     extension_start: int | None = None
-    extension_digests: dict[int, bytes] = field(default_factory=dict)
+    extension_tails: dict[int, dict[int, bytes]] = field(default_factory=dict)
     extension_none_at: float | None = None  # when the tiers last held none of those tails
     extension_keys: Mapping[int, bytes] | None = None
     # Whether the last lookup's hit is loaded synchronously (before its step's forward).

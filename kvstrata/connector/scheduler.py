@@ -149,24 +149,21 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         up again every step); the tiers are asked again (a tail may have landed since), but at
         most every ``EXTENSION_RECHECK_S`` while they held none: with a shared tier each ask is
         a round trip on the scheduler's path."""
-        req = st.req
-        tph = self.layout.tokens_per_hash
-        if start and len(req.block_hashes) < start // tph:
-            return []
         now = time.monotonic()
         if st.extension_start != start:
-            st.extension_start, st.extension_digests, st.extension_none_at = start, {}, None
+            st.extension_start, st.extension_tails, st.extension_none_at = start, {}, None
         elif st.extension_none_at is not None and now - st.extension_none_at < EXTENSION_RECHECK_S:
             return []
-        digests = st.extension_digests
-        parent = req.block_hashes[start // tph - 1] if start else None
+        tails = st.extension_tails
         for t in lengths:
-            if t not in digests:
-                digests[t] = self._hash_span(req, parent, start, start + t)
-        groups = [g.index for g in self.layout.groups]
-        candidates = [(t, {g: semantics.make_key(digests[t], g) for g in groups}) for t in lengths]
-        held = self.hierarchy.holds_many([keys[groups[0]] for _, keys in candidates])
-        found = [c for c, h in zip(candidates, held, strict=True) if h]
+            if t not in tails:
+                keys = self._tail_keys(st, start, start + t)
+                if keys is None:
+                    return []  # the hash ending at the chunk start is not there yet
+                tails[t] = keys
+        first = self.layout.groups[0].index
+        held = self.hierarchy.holds_many([tails[t][first] for t in lengths])
+        found = [(t, tails[t]) for t, h in zip(lengths, held, strict=True) if h]
         st.extension_none_at = None if found else now
         return found
 

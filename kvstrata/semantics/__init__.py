@@ -71,8 +71,8 @@ Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
     computed_before, computed_after, block_ids, tail_keys, max_offload_tokens=None)``: the tail
     chunk of every group, in the step that completes the prompt. Loads reuse ``plan_load``'s
     ``tail_keys``.
-    ``tail_extension_span(layout, *, complete_hit, num_tokens, local_computed, ...) -> (S,
-    lengths) | None`` and ``tail_extension_hit(layout, *, complete_hit, local_computed, start,
+    ``tail_extension_span(layout, *, hit_end, num_tokens, local_computed, ...) -> (S, lengths)
+    | None`` and ``tail_extension_hit(layout, *, complete_hit, local_computed, start,
     candidates, probe, being_loaded=None) -> (hit | None, tail keys | None)``: a stored tail of
     ``t`` tokens serves a longer prompt that starts with it, to ``S + t`` (R21a; multi-turn
     follow-ups). ``plan_answer_tail_store(layout, *, num_prompt_tokens, offloadable, block_ids,

@@ -659,7 +659,7 @@ def test_tiers_that_held_no_candidate_tail_are_asked_again_only_after_a_while(ru
     monkeypatch.setattr(sched_mod, "EXTENSION_RECHECK_S", 0.0)
     assert sched._tail_extension_candidates(st, 96, lengths) == [] and asked == [14, 14]
     r.run_until_idle()  # _prompt(120) is stored, its tail at 112 included
-    assert len(st.extension_digests) == 14  # hashed once
+    assert len(st.extension_tails) == 14  # hashed once
 
 
 # With ``offload_prompt_only`` false the answer's KV is stored too: its complete chunks as they
