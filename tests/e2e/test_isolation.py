@@ -2,7 +2,8 @@
 
 * requests with different ``cache_salt`` never share a hit in any tier: the host tier (one
   engine), the disk and a warm start (a restarted engine), the shared tier (another engine),
-  prompt tails included (the llama case serves them; the prompts end mid-block);
+  prompt tails included (the llama case serves them; the prompts end mid-block), also to longer
+  prompts that start with them;
 * a value forged by a writer without the secret — another checkpoint made to look like the same
   model (same path, file names, sizes and mtimes, so the same namespace) writing its KV to the
   server — is never served: each request still equals its recomputation by vLLM alone (the
@@ -56,6 +57,8 @@ CASE = CASES["llama"]  # float32, 128-token blocks, prompt tails served
 
 P = independent_prompts(31, [2, 129, 200, 258])  # tails: all of a 2-token prompt, 1, 72 and 2 tokens
 Q = independent_prompts(32, [130, 256, 301])  # what the forger computes with the other checkpoint
+# P's prompts with a turn after each: a tail serves a longer prompt only under its own salt (R21a).
+LONGER = [p + q for p, q in zip(P, independent_prompts(33, [5] * len(P)), strict=True)]
 
 
 def _gen(name: str, prompts: list[list[int]], salt: str | None) -> dict[str, Any]:
@@ -106,12 +109,14 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
             _gen("f_q", Q, None),
             {"op": "signal", "path": str(f_done)},
             {"op": "wait_for", "path": str(real_back), "timeout_s": 120}]},
-        {"engine": engine(None, {}), "steps": [reference_step("ref", P + Q, EQ_MAX_TOKENS)]},
+        {"engine": engine(None, {}), "steps": [reference_step("ref", P + Q + LONGER, EQ_MAX_TOKENS)]},
         {"engine": engine("store_a", with_a), "steps": [
             _gen("a_x", P, "tenant-x"),
             _gen("a_y", P, "tenant-y"),  # tenant x's chunks and tails are in the host tier
             {"op": "reset_prefix_cache"},
-            _gen("a_x_again", P, "tenant-x")]},  # the control: x's own chunks are served
+            _gen("a_x_again", P, "tenant-x"),  # the control: x's own chunks are served
+            _gen("a_v_longer", LONGER, "tenant-v"),
+            _gen("a_x_longer", LONGER, "tenant-x")]},  # x's tails serve x's longer prompts
         # A restarted on its store (an engine shut down and a new one started: the host tier
         # is gone, the disk and its access log stay).
         {"engine": engine("store_a", {**with_a, "warm_start_bytes": 64 << 20}), "steps": [
@@ -141,7 +146,7 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
         if real_aside.exists():  # the real checkpoint back, as it was
             shutil.rmtree(model_dir, ignore_errors=True)
             shutil.move(str(real_aside), str(model_dir))
-    refs = references_of([(P + Q, ref["ref"])])
+    refs = references_of([(P + Q + LONGER, ref["ref"])])
 
     def check(step: dict[str, Any], prompts: list[list[int]]) -> None:
         verdicts = compare_step(refs, step, prompts)
@@ -149,12 +154,18 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
         print(f"{step['name']}: {summary(verdicts)}; kvstrata hit tokens "
               + str({k or "all": metric(step, f"kvstrata_hit_tokens{k}") for k in ("", "_host", "_disk", "_remote")}))
 
-    for step, prompts in ((a["a_x"], P), (a["a_y"], P), (a["a_x_again"], P), (a2["a2_z"], P),
+    for step, prompts in ((a["a_x"], P), (a["a_y"], P), (a["a_x_again"], P), (a["a_v_longer"], LONGER),
+                          (a["a_x_longer"], LONGER), (a2["a2_z"], P),
                           (a2["a2_y"], P), (c["c_q"], Q), (c["c_w"], P), (c["c_x"], P)):
         check(step, prompts)
     # Host tier: another salt shares nothing (neither kvstrata's tiers nor vLLM's own cache).
     assert _cached(a["a_y"]) == 0 and metric(a["a_y"], "kvstrata_hit_tokens") == 0, dump(a["a_y"]["metrics"])
     assert metric(a["a_x_again"], "kvstrata_hit_tokens_host") > 0, dump(a["a_x_again"]["metrics"])
+    # A longer prompt: another salt gets nothing of x's tails; x is served to each tail's end (the
+    # 129-token prompt's one-token tail is never stored: vLLM's own block).
+    assert _cached(a["a_v_longer"]) == 0, dump(a["a_v_longer"]["metrics"])
+    assert [o["num_cached_tokens"] for o in a["a_x_longer"]["outputs"]] == [2, 128, 200, 258]
+    assert metric(a["a_x_longer"], "kvstrata_tail_extensions") == 3, dump(a["a_x_longer"]["metrics"])
     # The disguise worked: the forger's KV went to the server under the real model's namespace.
     model = str(model_dir)
     assert namespaces_of(tmp_path / "store_f", model) == namespaces_of(tmp_path / "store_a", model)
