@@ -59,6 +59,7 @@ P = independent_prompts(31, [2, 129, 200, 258])  # tails: all of a 2-token promp
 Q = independent_prompts(32, [130, 256, 301])  # what the forger computes with the other checkpoint
 # P's prompts with a turn after each: a tail serves a longer prompt only under its own salt (R21a).
 LONGER = [p + q for p, q in zip(P, independent_prompts(33, [5] * len(P)), strict=True)]
+LONGER_C = [p + q for p, q in zip(P, independent_prompts(34, [5] * len(P)), strict=True)]  # new to engine C
 
 
 def _gen(name: str, prompts: list[list[int]], salt: str | None) -> dict[str, Any]:
@@ -109,7 +110,7 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
             _gen("f_q", Q, None),
             {"op": "signal", "path": str(f_done)},
             {"op": "wait_for", "path": str(real_back), "timeout_s": 120}]},
-        {"engine": engine(None, {}), "steps": [reference_step("ref", P + Q + LONGER, EQ_MAX_TOKENS)]},
+        {"engine": engine(None, {}), "steps": [reference_step("ref", P + Q + LONGER + LONGER_C, EQ_MAX_TOKENS)]},
         {"engine": engine("store_a", with_a), "steps": [
             _gen("a_x", P, "tenant-x"),
             _gen("a_y", P, "tenant-y"),  # tenant x's chunks and tails are in the host tier
@@ -129,6 +130,7 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
             # what c_q left (it reads nothing forged itself: no value has tenant w's keys).
             {"op": "sleep", "seconds": 1.2},
             _gen("c_w", P, "tenant-w"),  # the server holds x's, y's and z's, signed
+            _gen("c_x_longer", LONGER_C, "tenant-x"),  # x's chunks and tails, from the server
             _gen("c_x", P, "tenant-x")]},
     ]
 
@@ -146,7 +148,7 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
         if real_aside.exists():  # the real checkpoint back, as it was
             shutil.rmtree(model_dir, ignore_errors=True)
             shutil.move(str(real_aside), str(model_dir))
-    refs = references_of([(P + Q + LONGER, ref["ref"])])
+    refs = references_of([(P + Q + LONGER + LONGER_C, ref["ref"])])
 
     def check(step: dict[str, Any], prompts: list[list[int]]) -> None:
         verdicts = compare_step(refs, step, prompts)
@@ -156,7 +158,8 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
 
     for step, prompts in ((a["a_x"], P), (a["a_y"], P), (a["a_x_again"], P), (a["a_v_longer"], LONGER),
                           (a["a_x_longer"], LONGER), (a2["a2_z"], P),
-                          (a2["a2_y"], P), (c["c_q"], Q), (c["c_w"], P), (c["c_x"], P)):
+                          (a2["a2_y"], P), (c["c_q"], Q), (c["c_w"], P), (c["c_x_longer"], LONGER_C),
+                          (c["c_x"], P)):
         check(step, prompts)
     # Host tier: another salt shares nothing (neither kvstrata's tiers nor vLLM's own cache).
     assert _cached(a["a_y"]) == 0 and metric(a["a_y"], "kvstrata_hit_tokens") == 0, dump(a["a_y"]["metrics"])
@@ -177,7 +180,10 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
     assert metric(a2["a2_y"], "kvstrata_hit_tokens") > 0, dump(a2["a2_y"]["metrics"])
     assert metric(a2["a2_y"], "kvstrata_disk_forged") == 0, dump(a2["a2_y"]["metrics"])  # its own MACs
     assert _cached(c["c_w"]) == 0, dump(c["c_w"]["metrics"])
-    assert metric(c["c_x"], "kvstrata_hit_tokens_remote") > 0, dump(c["c_x"]["metrics"])
+    # x's longer prompts on an engine with an empty store: every chunk and tail from the server.
+    assert [o["num_cached_tokens"] for o in c["c_x_longer"]["outputs"]] == [2, 128, 200, 258]
+    assert metric(c["c_x_longer"], "kvstrata_hit_tokens_remote") == 588, dump(c["c_x_longer"]["metrics"])
+    assert metric(c["c_x_longer"], "kvstrata_tail_extensions") == 3, dump(c["c_x_longer"]["metrics"])
     # The forged values were found under the keys asked for, and not served.
     assert _cached(c["c_q"]) == 0 and metric(c["c_q"], "kvstrata_hit_tokens") == 0, dump(c["c_q"]["metrics"])
     assert metric(c["c_w"], "kvstrata_remote_forged") > 0, dump(c["c_w"]["metrics"])
