@@ -67,12 +67,13 @@ class StoreJobsMixin:
                 tail_keys=self._prompt_tail_keys(st),
                 max_offload_tokens=st.max_offload_tokens,
             )
-            if not transfers:
-                continue
-            reserved = self._reserve(transfers)
-            if reserved is not None and reserved[0]:
-                jobs.append(self._store_job(st, *reserved))
+            jobs.extend(self._tail_store_jobs(st, transfers))
         return jobs
+
+    def _tail_store_jobs(self, st: RequestState, transfers: list[Any]) -> list[TransferJob]:
+        """One store job for a tail's chunk in every group, when the host tier takes it."""
+        reserved = self._reserve(transfers) if transfers else None
+        return [self._store_job(st, *reserved)] if reserved is not None and reserved[0] else []
 
     def _answer_tail_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
         """Store the chunk holding the end of a finished request's answer as a tail (with
@@ -95,11 +96,7 @@ class StoreJobsMixin:
             transfers = semantics.plan_answer_tail_store(
                 self.layout, num_prompt_tokens=req.num_prompt_tokens, offloadable=end,
                 block_ids={g: gs.block_ids for g, gs in st.groups.items()}, tail_keys=tail_keys)
-            if not transfers:
-                continue
-            reserved = self._reserve(transfers)
-            if reserved is not None and reserved[0]:
-                jobs.append(self._store_job(st, *reserved))
+            jobs.extend(self._tail_store_jobs(st, transfers))
         return jobs
 
     def _offloadable(self, st: RequestState, so: SchedulerOutput) -> int:

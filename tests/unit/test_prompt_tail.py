@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
+from probe_helper import Probe
 
 from kvstrata.presence import Presence
 from kvstrata.semantics import (
@@ -28,16 +27,6 @@ def _fa(index: int = 0, tpb: int = 16, bpc: int = 1, drafter: bool = False) -> G
 
 FA = Layout((_fa(0), _fa(1)))
 TAILS = {0: b"tail-0", 1: b"tail-1"}
-
-
-class Probe:
-    def __init__(self, answers: dict[bytes, Presence]):
-        self.answers = answers
-        self.asked: list[bytes] = []
-
-    def __call__(self, keys: Sequence[bytes]) -> list[Presence]:
-        self.asked.extend(keys)
-        return [self.answers.get(k, Presence.MISS) for k in keys]
 
 
 def _hit(layout: Layout = FA, *, complete: int | None = 96, n: int = 100, local: int = 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from probe_helper import Probe
 
 from kvstrata.presence import Presence
 from kvstrata.semantics import (
@@ -28,16 +29,6 @@ SW = Layout((_fa(0), GroupGeometry(1, GroupKind.SLIDING, 16, 1, 16, sliding_wind
 
 def _keys(t: int) -> dict[int, bytes]:
     return {0: b"t%d-0" % t, 1: b"t%d-1" % t}
-
-
-class Probe:
-    def __init__(self, answers: dict[bytes, Presence]):
-        self.answers = answers
-        self.asked: list[bytes] = []
-
-    def __call__(self, keys: Sequence[bytes]) -> list[Presence]:
-        self.asked.extend(keys)
-        return [self.answers.get(k, Presence.MISS) for k in keys]
 
 
 def _span(layout: Layout = FA, *, hit_end: int = 96, n: int = 120, local: int = 0, **kw) -> tuple[int, list[int]] | None:

@@ -186,17 +186,8 @@ class Hierarchy:
             found = [h != _ABSENT for h in self.pool.lookup_many(keys, touch=False)]
             bad = s.bad
             rest = [i for i, f in enumerate(found) if not f and (not bad or keys[i] not in bad)]
-        for link in s.links:
-            if not rest:
-                break
-            try:
-                present = all_shards_present(link.tier, self.namespaces, [keys[i] for i in rest])
-            except Exception:
-                logger.exception("kvstrata: %s lookup failed; treating as misses", link.name)
-                present = [False] * len(rest)
-            for i, p in zip(rest, present, strict=True):
-                found[i] = p
-            rest = [i for i, p in zip(rest, present, strict=True) if not p]
+        for i in self._find(keys, rest, prefix=False) if rest else ():
+            found[i] = True
         return found
 
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
