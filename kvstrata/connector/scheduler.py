@@ -119,25 +119,20 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         if semantics.prompt_tail_start(self.layout, req.num_prompt_tokens) is None:
             st.prompt_tail_hashed = True  # never: no tail, or not served for this layout
             return None
-        end = req.num_prompt_tokens
-        keys = semantics.prompt_tail_keys(
-            self.layout, req.block_hashes, end, lambda parent, start: self._hash_span(req, parent, start, end))
+        keys = self._tail_keys(st, req.num_prompt_tokens)
         if keys is None:
             return None  # the prefix's block hashes are not all there yet
         st.prompt_tail_keys = keys
         st.prompt_tail_hashed = True
         return st.prompt_tail_keys
 
-    def _tail_keys(self, st: RequestState, start: int, end: int) -> dict[int, bytes] | None:
-        """Per group, the tail key of the request's tokens ``start..end`` (a chunk start and a
-        point inside that chunk); None while the hash ending at ``start`` is not there."""
+    def _tail_keys(self, st: RequestState, end: int) -> dict[int, bytes] | None:
+        """Per group, the tail key of the request's tokens from the chunk start below ``end`` to
+        ``end`` (``semantics.prompt_tail_keys``: what a prompt of ``end`` tokens is stored
+        under); None without such a tail, or while the hash ending at its start is not there."""
         req = st.req
-        tph = self.layout.tokens_per_hash
-        if start and len(req.block_hashes) < start // tph:
-            return None
-        parent = req.block_hashes[start // tph - 1] if start else None
-        digest = self._hash_span(req, parent, start, end)
-        return {g.index: semantics.make_key(digest, g.index) for g in self.layout.groups}
+        return semantics.prompt_tail_keys(
+            self.layout, req.block_hashes, end, lambda parent, start: self._hash_span(req, parent, start, end))
 
     def _tail_extension_candidates(
         self, st: RequestState, start: int, lengths: range
@@ -157,7 +152,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         tails = st.extension_tails
         for t in lengths:
             if t not in tails:
-                keys = self._tail_keys(st, start, start + t)
+                keys = self._tail_keys(st, start + t)
                 if keys is None:
                     return []  # the hash ending at the chunk start is not there yet
                 tails[t] = keys

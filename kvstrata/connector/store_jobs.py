@@ -44,7 +44,7 @@ class StoreJobsMixin:
 
     if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
         def _prompt_tail_keys(self, st: RequestState) -> dict[int, bytes] | None: ...
-        def _tail_keys(self, st: RequestState, start: int, end: int) -> dict[int, bytes] | None: ...
+        def _tail_keys(self, st: RequestState, end: int) -> dict[int, bytes] | None: ...
         def _geom(self, index: int) -> semantics.GroupGeometry: ...
         def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
 
@@ -87,15 +87,11 @@ class StoreJobsMixin:
                 continue
             req = st.req
             end = self._offloadable(st, so)
-            start = semantics.prompt_tail_start(self.layout, end)
-            if start is None or end <= req.num_prompt_tokens:
-                continue
-            tail_keys = self._tail_keys(st, start, end)
-            if tail_keys is None:
-                continue
+            if end <= req.num_prompt_tokens:
+                continue  # no KV past the prompt: the prompt's own tail covers it
             transfers = semantics.plan_answer_tail_store(
                 self.layout, num_prompt_tokens=req.num_prompt_tokens, offloadable=end,
-                block_ids={g: gs.block_ids for g, gs in st.groups.items()}, tail_keys=tail_keys)
+                block_ids={g: gs.block_ids for g, gs in st.groups.items()}, tail_keys=self._tail_keys(st, end))
             jobs.extend(self._tail_store_jobs(st, transfers))
         return jobs
 

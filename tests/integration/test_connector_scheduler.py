@@ -654,6 +654,7 @@ def test_tiers_that_held_no_candidate_tail_are_asked_again_only_after_a_while(ru
     monkeypatch.setattr(sched.hierarchy, "holds_many", lambda keys: asked.append(len(keys)) or holds(keys))
     st = sched._reqs[r.add(_prompt(120), 1).request_id]
     lengths = range(15, 1, -1)
+    monkeypatch.setattr(sched_mod, "EXTENSION_RECHECK_S", 3600.0)  # no wall-clock in the test
     assert sched._tail_extension_candidates(st, 96, lengths) == [] and asked == [14]
     assert sched._tail_extension_candidates(st, 96, lengths) == [] and asked == [14]
     monkeypatch.setattr(sched_mod, "EXTENSION_RECHECK_S", 0.0)
