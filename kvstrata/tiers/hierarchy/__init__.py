@@ -1,5 +1,5 @@
 """The tier hierarchy: host slots over lower tiers (``hierarchy.Hierarchy``), and its parts:
-``shared`` (the lock, chunk states, tier links, the I/O pipeline), ``write_behind``,
+``shared`` (the lock, chunk states, tier links, the I/O pipeline), ``lookup``, ``write_behind``,
 ``promoter`` and ``background`` (warm start, disk announcement)."""
 
 from kvstrata.tiers.hierarchy.hierarchy import Hierarchy

@@ -1,10 +1,11 @@
 """The tier hierarchy the scheduler-side connector talks to: host slots over lower tiers.
 
 Every scheduler call is non-blocking and O(keys): it updates the host index under one lock and
-hands tier work to the pipeline (``shared``): write-behind (``write_behind``), promotions
-(``promoter``) and the background scans after a restart (``background``). Lower tiers
-(``kvstrata.tiers.lower.LowerTier``: the local disk store, a shared remote store) are asked in
-order; a chunk is promoted from the first that holds all its shards.
+hands tier work to the pipeline (``shared``): lookups (``lookup``), write-behind
+(``write_behind``), promotions (``promoter``) and the background scans after a restart
+(``background``). Lower tiers (``kvstrata.tiers.lower.LowerTier``: the local disk store, a
+shared remote store) are asked in order; a chunk is promoted from the first that holds all its
+shards.
 
 * **lookup**: a chunk only in a lower tier gets a host slot and starts its promotion at once,
   answering PENDING (HIT under ``stream``: a streamed load waits on its ticket); MISS when the
@@ -32,6 +33,7 @@ from typing import Any, Literal
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy.background import Background
+from kvstrata.tiers.hierarchy.lookup import Lookup
 from kvstrata.tiers.hierarchy.promoter import Promoter
 from kvstrata.tiers.hierarchy.reuse import ReuseMeter
 from kvstrata.tiers.hierarchy.shared import (
@@ -43,14 +45,9 @@ from kvstrata.tiers.hierarchy.shared import (
 )
 from kvstrata.tiers.hierarchy.write_behind import WriteBehind
 from kvstrata.tiers.host import HostPool
-from kvstrata.tiers.lower import LowerTier, all_shards_present
+from kvstrata.tiers.lower import LowerTier
 
 logger = logging.getLogger(__name__)
-
-_ABSENT, _READY, _NOT_READY = HostPool.ABSENT, HostPool.READY, HostPool.NOT_READY
-_HIT, _PENDING, _MISS = Presence.HIT, Presence.PENDING, Presence.MISS
-# Indexed by HostPool.lookup_many's states (ABSENT=0, READY=1, NOT_READY=2).
-_BY_HOST_STATE = (_MISS, _HIT, _PENDING)
 
 
 class Hierarchy:
@@ -139,6 +136,7 @@ class Hierarchy:
             max_pinned_bytes=(s.slab.nbytes // 2 if max_write_pinned_bytes is None
                               else max_write_pinned_bytes))
         self._promoter = Promoter(s, self._pipe, self._writes)
+        self._lookup = Lookup(s, self._writes, self._promoter)
         self._background = Background(s, self._pipe, self._promote_collecting, self.wait_promotions)
         host_pool.on_evict = self._on_evict
         for link in links:
@@ -172,30 +170,21 @@ class Hierarchy:
         holds. ``protect``: keys an earlier probe of the same request's lookup answered HIT; a
         promotion never evicts them (the request is about to load them).
         """
-        return self._lookup(keys, count_offers=True, promoting=promoting, stream=stream,
-                            prefix=prefix, protect=protect)
+        return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
+                                   prefix=prefix, protect=protect)
 
     def holds_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Which chunks some tier holds: the host tier (ready, or on its way in) or a lower tier
         (every shard). Records no access, starts no promotion and counts nothing: for choosing
         among candidate keys, most never stored, before a lookup of the chosen ones."""
-        s = self._s
-        with s.lock:
-            if s.closed:
-                return [False] * len(keys)
-            found = [h != _ABSENT for h in self.pool.lookup_many(keys, touch=False)]
-            bad = s.bad
-            rest = [i for i, f in enumerate(found) if not f and (not bad or keys[i] not in bad)]
-        for i in self._find(keys, rest, prefix=False) if rest else ():
-            found[i] = True
-        return found
+        return self._lookup.holds(keys)
 
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
         """Start promotions for chunks only in lower tiers (a lookup without bookkeeping)."""
-        return self._lookup(keys, count_offers=False)
+        return self._lookup.lookup(keys, count_offers=False)
 
     def _promote_collecting(self, keys: Sequence[bytes], started: dict[bytes, str]) -> list[Presence]:
-        return self._lookup(keys, count_offers=False, promoting=started)
+        return self._lookup.lookup(keys, count_offers=False, promoting=started)
 
     def in_flight(self, keys: Sequence[bytes]) -> bool:
         """Whether any of ``keys`` is still on its way into the host tier (a store or a
@@ -378,147 +367,6 @@ class Hierarchy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ---- lookup internals ----------------------------------------------------------------------
-
-    def _lookup(
-        self,
-        keys: Sequence[bytes],
-        count_offers: bool,
-        promoting: MutableMapping[bytes, str] | None = None,
-        stream: bool = False,
-        prefix: bool = False,
-        protect: set[bytes] | None = None,
-    ) -> list[Presence]:
-        # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
-        s = self._s
-        links = s.links
-        with s.lock:
-            if s.closed:
-                return [_MISS] * len(keys)
-            host = self.pool.lookup_many(keys)
-            states = [_BY_HOST_STATE[h] for h in host]
-            # Host hits of chunks a lower tier holds: tell the tier they were used, or its LRU
-            # (and max_age_s) would evict first the chunks served most often from the host tier.
-            used = [[k for k, h in zip(keys, host, strict=True) if h == _READY and k in link.resident]
-                    if link.resident else [] for link in links]
-            streamed = 0  # HIT answers that are promotions in flight (counted as pending)
-            if s.promoting and (promoting is not None or stream):
-                landing = [i for i, h in enumerate(host) if h == _NOT_READY and keys[i] in s.promoting]
-                if promoting is not None:
-                    promoting.update((keys[i], s.promoting[keys[i]]) for i in landing)
-                if stream:
-                    for i in landing:
-                        states[i] = _HIT
-                    streamed += len(landing)
-            if count_offers and any(link.admit_after > 1 for link in links):
-                admitted = []
-                for k in (k for k, h in zip(keys, host, strict=True) if h == _READY):
-                    admitted += self._writes.admitted(k, s.offer(k))
-                self._writes.schedule(admitted)
-            bad = s.bad
-            candidates = ([i for i, h in enumerate(host) if h == _ABSENT and (not bad or keys[i] not in bad)]
-                          if links else [])
-            if not candidates:
-                self._count(states, streamed)
-            if count_offers:  # a request came back for chunks the tiers hold
-                for link, ks in zip(links, used, strict=True):
-                    if ks:
-                        link.reuse.read_back(sum(map(s.chunk_bytes, ks)))
-        for link, ks in zip(links, used, strict=True):
-            if ks:
-                link.tier.touch_many([ns + k for k in ks for ns in self.namespaces])
-        if not candidates:
-            return states
-        source = self._find(keys, candidates, prefix)
-        self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
-                               candidates if count_offers else None)
-        return states
-
-    def _find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
-        """Which lower tier holds each candidate (every shard), asking the tiers in order
-        outside the lock; with ``prefix``, nothing past the first key no tier holds."""
-        source: dict[int, TierLink] = {}
-        rest = candidates
-        for link in self._s.links:
-            if not rest:
-                break
-            try:
-                found = all_shards_present(link.tier, self.namespaces, [keys[i] for i in rest])
-            except Exception:
-                logger.exception("kvstrata: %s lookup failed; treating as misses", link.name)
-                found = [False] * len(rest)
-            source.update((i, link) for i, f in zip(rest, found, strict=True) if f)
-            rest = [i for i, f in zip(rest, found, strict=True) if not f]
-        if prefix:
-            bad = self._s.bad
-            first_miss = min((i for i in rest), default=len(keys))
-            first_miss = min(first_miss, next((i for i in range(len(keys)) if keys[i] in bad), len(keys)))
-            source = {i: link for i, link in source.items() if i < first_miss}
-        return source
-
-    def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
-                          streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
-                          protect: set[bytes] | None, asked: list[int] | None) -> None:
-        """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
-        the tiers' reuse evidence (None: a promotion that is no request's)."""
-        s = self._s
-        items = []
-        with s.lock:
-            if asked is not None:
-                self._note_read_back(keys, source, asked)
-            protected: set[bytes] | None = None
-            room = not s.closed
-            for i in sorted(source):
-                key = keys[i]
-                st = self.pool.lookup_many((key,), touch=False)[0]
-                if st != _ABSENT:  # appeared meanwhile (a store, or a duplicate key)
-                    if st == _READY:
-                        states[i] = _HIT
-                    elif stream and key in s.promoting:
-                        states[i] = _HIT
-                        streamed += 1
-                    else:
-                        states[i] = _PENDING
-                    continue
-                if not room:
-                    s.counts["promote_no_room"] += 1
-                    continue
-                if protected is None:
-                    protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
-                    if protect:
-                        protected |= protect
-                slots = self.pool.allocate((key,), protected)
-                if slots is None:
-                    # The host tier is full of pinned chunks: answer MISS rather than PENDING
-                    # so that the request does not wait on a promotion that never starts.
-                    room = False
-                    s.counts["promote_no_room"] += 1
-                    continue
-                items.append(self._promoter.start(key, slots[0], source[i]))
-                states[i] = _HIT if stream else _PENDING
-                streamed += stream
-                if promoting is not None:
-                    promoting[key] = source[i].name
-            self._promoter.launch(items)
-            self._count(states, streamed)
-
-    def _note_read_back(self, keys: Sequence[bytes], source: dict[int, TierLink], asked: list[int]) -> None:
-        """A request looked for ``asked`` below the host tier: those a tier holds, and those it
-        lost before their write, count as read back from it (``reuse``). Under the lock."""
-        s = self._s
-        for link in s.links:
-            found = [keys[i] for i, src in source.items() if src is link]
-            if found:
-                link.reuse.read_back(sum(map(s.chunk_bytes, found)))
-            if link.reuse.has_lost:
-                link.reuse.asked_for([keys[i] for i in asked if i not in source])
-
-    def _count(self, states: list[Presence], streamed: int = 0) -> None:
-        c = self._s.counts
-        c["lookups"] += len(states)
-        c["lookup_hits"] += states.count(_HIT) - streamed
-        c["lookup_pending"] += states.count(_PENDING) + streamed
 
     def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
         self._writes.evicted(key)

@@ -1,0 +1,188 @@
+"""Lookups in the hierarchy: the host index first, then the lower tiers, starting promotions.
+
+Runs on the scheduler's critical path, so the host index is read under one lock with list
+comprehensions over the keys, and the lower tiers are asked outside it, in order (a chunk is
+promoted from the first tier that holds all its shards). A full-attention run is probed as a
+prefix (nothing promoted past its first missing chunk); chunks a request's lookup answered HIT
+are never evicted by its later probes. The answers and counters are the hierarchy's
+(``hierarchy.Hierarchy.lookup_many``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping, Sequence
+
+from kvstrata.presence import Presence
+from kvstrata.tiers.hierarchy.promoter import Promoter
+from kvstrata.tiers.hierarchy.shared import Shared, TierLink
+from kvstrata.tiers.hierarchy.write_behind import WriteBehind
+from kvstrata.tiers.host import HostPool
+from kvstrata.tiers.lower import all_shards_present
+
+logger = logging.getLogger(__name__)
+
+_ABSENT, _READY, _NOT_READY = HostPool.ABSENT, HostPool.READY, HostPool.NOT_READY
+_HIT, _PENDING, _MISS = Presence.HIT, Presence.PENDING, Presence.MISS
+# Indexed by HostPool.lookup_many's states (ABSENT=0, READY=1, NOT_READY=2).
+_BY_HOST_STATE = (_MISS, _HIT, _PENDING)
+
+
+class Lookup:
+    def __init__(self, shared: Shared, writes: WriteBehind, promoter: Promoter) -> None:
+        self.s = shared
+        self.writes = writes
+        self.promoter = promoter
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which chunks some tier holds (``Hierarchy.holds_many``): no access recorded, no
+        promotion started, nothing counted."""
+        s = self.s
+        with s.lock:
+            if s.closed:
+                return [False] * len(keys)
+            found = [h != _ABSENT for h in s.pool.lookup_many(keys, touch=False)]
+            bad = s.bad
+            rest = [i for i, f in enumerate(found) if not f and (not bad or keys[i] not in bad)]
+        for i in self.find(keys, rest, prefix=False) if rest else ():
+            found[i] = True
+        return found
+
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        count_offers: bool,
+        promoting: MutableMapping[bytes, str] | None = None,
+        stream: bool = False,
+        prefix: bool = False,
+        protect: set[bytes] | None = None,
+    ) -> list[Presence]:
+        # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
+        s = self.s
+        links = s.links
+        with s.lock:
+            if s.closed:
+                return [_MISS] * len(keys)
+            host = self.s.pool.lookup_many(keys)
+            states = [_BY_HOST_STATE[h] for h in host]
+            # Host hits of chunks a lower tier holds: tell the tier they were used, or its LRU
+            # (and max_age_s) would evict first the chunks served most often from the host tier.
+            used = [[k for k, h in zip(keys, host, strict=True) if h == _READY and k in link.resident]
+                    if link.resident else [] for link in links]
+            streamed = 0  # HIT answers that are promotions in flight (counted as pending)
+            if s.promoting and (promoting is not None or stream):
+                landing = [i for i, h in enumerate(host) if h == _NOT_READY and keys[i] in s.promoting]
+                if promoting is not None:
+                    promoting.update((keys[i], s.promoting[keys[i]]) for i in landing)
+                if stream:
+                    for i in landing:
+                        states[i] = _HIT
+                    streamed += len(landing)
+            if count_offers and any(link.admit_after > 1 for link in links):
+                admitted = []
+                for k in (k for k, h in zip(keys, host, strict=True) if h == _READY):
+                    admitted += self.writes.admitted(k, s.offer(k))
+                self.writes.schedule(admitted)
+            bad = s.bad
+            candidates = ([i for i, h in enumerate(host) if h == _ABSENT and (not bad or keys[i] not in bad)]
+                          if links else [])
+            if not candidates:
+                self._count(states, streamed)
+            if count_offers:  # a request came back for chunks the tiers hold
+                for link, ks in zip(links, used, strict=True):
+                    if ks:
+                        link.reuse.read_back(sum(map(s.chunk_bytes, ks)))
+        for link, ks in zip(links, used, strict=True):
+            if ks:
+                link.tier.touch_many([ns + k for k in ks for ns in self.s.namespaces])
+        if not candidates:
+            return states
+        source = self.find(keys, candidates, prefix)
+        self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
+                                candidates if count_offers else None)
+        return states
+
+    def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
+        """Which lower tier holds each candidate (every shard), asking the tiers in order
+        outside the lock; with ``prefix``, nothing past the first key no tier holds."""
+        source: dict[int, TierLink] = {}
+        rest = candidates
+        for link in self.s.links:
+            if not rest:
+                break
+            try:
+                found = all_shards_present(link.tier, self.s.namespaces, [keys[i] for i in rest])
+            except Exception:
+                logger.exception("kvstrata: %s lookup failed; treating as misses", link.name)
+                found = [False] * len(rest)
+            source.update((i, link) for i, f in zip(rest, found, strict=True) if f)
+            rest = [i for i, f in zip(rest, found, strict=True) if not f]
+        if prefix:
+            bad = self.s.bad
+            first_miss = min((i for i in rest), default=len(keys))
+            first_miss = min(first_miss, next((i for i in range(len(keys)) if keys[i] in bad), len(keys)))
+            source = {i: link for i, link in source.items() if i < first_miss}
+        return source
+
+    def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
+                          streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
+                          protect: set[bytes] | None, asked: list[int] | None) -> None:
+        """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
+        the tiers' reuse evidence (None: a promotion that is no request's)."""
+        s = self.s
+        items = []
+        with s.lock:
+            if asked is not None:
+                self._note_read_back(keys, source, asked)
+            protected: set[bytes] | None = None
+            room = not s.closed
+            for i in sorted(source):
+                key = keys[i]
+                st = self.s.pool.lookup_many((key,), touch=False)[0]
+                if st != _ABSENT:  # appeared meanwhile (a store, or a duplicate key)
+                    if st == _READY:
+                        states[i] = _HIT
+                    elif stream and key in s.promoting:
+                        states[i] = _HIT
+                        streamed += 1
+                    else:
+                        states[i] = _PENDING
+                    continue
+                if not room:
+                    s.counts["promote_no_room"] += 1
+                    continue
+                if protected is None:
+                    protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
+                    if protect:
+                        protected |= protect
+                slots = self.s.pool.allocate((key,), protected)
+                if slots is None:
+                    # The host tier is full of pinned chunks: answer MISS rather than PENDING
+                    # so that the request does not wait on a promotion that never starts.
+                    room = False
+                    s.counts["promote_no_room"] += 1
+                    continue
+                items.append(self.promoter.start(key, slots[0], source[i]))
+                states[i] = _HIT if stream else _PENDING
+                streamed += stream
+                if promoting is not None:
+                    promoting[key] = source[i].name
+            self.promoter.launch(items)
+            self._count(states, streamed)
+
+    def _note_read_back(self, keys: Sequence[bytes], source: dict[int, TierLink], asked: list[int]) -> None:
+        """A request looked for ``asked`` below the host tier: those a tier holds, and those it
+        lost before their write, count as read back from it (``reuse``). Under the lock."""
+        s = self.s
+        for link in s.links:
+            found = [keys[i] for i, src in source.items() if src is link]
+            if found:
+                link.reuse.read_back(sum(map(s.chunk_bytes, found)))
+            if link.reuse.has_lost:
+                link.reuse.asked_for([keys[i] for i in asked if i not in source])
+
+    def _count(self, states: list[Presence], streamed: int = 0) -> None:
+        c = self.s.counts
+        c["lookups"] += len(states)
+        c["lookup_hits"] += states.count(_HIT) - streamed
+        c["lookup_pending"] += states.count(_PENDING) + streamed
