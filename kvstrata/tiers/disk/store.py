@@ -291,8 +291,8 @@ class DiskStore:
             "compression_ratio": totals.raw_bytes / totals.stored_bytes if totals.stored_bytes else 1.0,
             "budget_bytes": self.budget_bytes,
             # The file system's reserve, and the stored bytes it holds the store to (None: not now).
-            "reserve_bytes": writer.reserve_bytes if writer is not None else 0,
-            "reserve_cap_bytes": writer.reserve_cap if writer is not None else None,
+            "reserve_bytes": writer.reserve.reserve_bytes if writer is not None else 0,
+            "reserve_cap_bytes": writer.reserve.cap if writer is not None else None,
             "file_bytes": file_bytes,
             "admitting": writer.admitting if writer is not None else False,
             "unclean_shutdown": self.unclean_shutdown,

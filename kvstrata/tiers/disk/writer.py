@@ -8,10 +8,8 @@ recently used records (``tiers.retention``) in the same transaction. A full map 
 admission for a while, logged once; reads go on. Access ticks are buffered in memory by reads
 and flushed in batches (reads never write).
 
-With a reserve (``reserve_bytes``) the store also leaves that much of its file system free: once
-a put would take the file system below it, the store's size is frozen where it is and new puts
-make room by evicting (the pages they free are used again, so the file stops growing); an empty
-store puts nothing. The freeze lifts once the file system has room again.
+With a reserve (``reserve_bytes``) the store also leaves that much of its file system free
+(``reserve``).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from __future__ import annotations
 import errno
 import logging
 import queue
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -33,6 +30,7 @@ import msgspec
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
+from kvstrata.tiers.disk.reserve import FsReserve
 from kvstrata.tiers.priority import lower_this_thread, name_this_thread
 from kvstrata.tiers.retention import select_victims
 
@@ -134,12 +132,8 @@ class Writer:
         self._sync_bytes = sync_bytes
         self._touch_interval = touch_flush_interval_s
         self._full_retry_s = full_retry_s
-        # Free space the store leaves its file system (module docstring); while it binds, the
-        # stored bytes the store is held to, else None. Read and written on the writer thread.
-        self.reserve_bytes = max(0, reserve_bytes)
-        self.reserve_cap: int | None = None
-        self._room: int | None = None  # file system bytes above the reserve, this transaction
-        self._reserve_logged = False
+        # Free space the store leaves its file system (module docstring); writer thread only.
+        self.reserve = FsReserve(env.path, reserve_bytes)
         self.admitting = True
         self._retry_at = 0.0
         self._full_logged = False
@@ -372,7 +366,7 @@ class Writer:
 
     def _write_batch(self, jobs: list[PutJob]) -> list[_PutOutcome]:
         def body(txn: lmdb.Transaction) -> list[_PutOutcome]:
-            self._room = self._fs_room()
+            self.reserve.begin()
             totals = self._totals(txn)
             outcomes = [self._put(txn, totals, job) for job in jobs]
             rec.write_totals(txn, self.h, totals)
@@ -411,7 +405,9 @@ class Writer:
         if stored > self.budget_bytes:
             outcome.reason = "too_large_drops"
             return outcome
-        budget = self._reserve_budget(totals, stored)
+        budget, froze = self.reserve.budget(self.budget_bytes, totals.stored_bytes, stored)
+        if froze:
+            self.counts.bump("reserve_freezes")
         if budget < stored:
             outcome.reason = "reserve_drops"  # below the reserve with too little to evict
             return outcome
@@ -422,40 +418,9 @@ class Writer:
             victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
             outcome.evicted, outcome.evicted_bytes = self.delete(txn, totals, victims)
         rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick, job.mac), totals)
-        if self._room is not None:
-            # Pages this transaction freed are used again only by later ones: count it as growth.
-            self._room -= stored
+        self.reserve.wrote(stored)
         outcome.written = True
         return outcome
-
-    # ---- the file system's reserve ------------------------------------------------------------
-
-    def _fs_room(self) -> int | None:
-        """Bytes the file system has free above the reserve (None: no reserve, or unknown)."""
-        if not self.reserve_bytes:
-            return None
-        try:
-            return shutil.disk_usage(self.env.path).free - self.reserve_bytes
-        except OSError:
-            return None
-
-    def _reserve_budget(self, totals: rec.Totals, stored: int) -> int:
-        """The stored bytes this put may bring the store to: the byte budget, or, while the
-        file system is at its reserve, what the store held when it got there."""
-        room = self._room
-        if room is None or room >= stored:
-            self.reserve_cap = None  # room again (or never short of it)
-            return self.budget_bytes
-        if self.reserve_cap is None:
-            self.reserve_cap = min(self.budget_bytes, totals.stored_bytes)
-            self.counts.bump("reserve_freezes")
-            if not self._reserve_logged:
-                self._reserve_logged = True
-                log.warning("store at %s: its file system is down to the %d bytes the store leaves "
-                            "free (disk_reserve); the store stays at %d stored bytes and makes room "
-                            "for new chunks by evicting the least recently used", self.env.path,
-                            self.reserve_bytes, self.reserve_cap)
-        return self.reserve_cap
 
     def _eviction_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int, int]]:
         touched = self.touched()

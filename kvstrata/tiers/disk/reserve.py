@@ -1,0 +1,65 @@
+"""The free space a store leaves its file system (option ``disk_reserve``).
+
+Once a put would take the file system below the reserve, the store's size is frozen where it
+is and new puts make room by evicting (the pages they free are used again, so the file stops
+growing); an empty store puts nothing. The freeze lifts once the file system has room again.
+The writer asks once per write transaction (:meth:`FsReserve.begin`), then per put.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class FsReserve:
+    """The reserve of one store, used on its writer thread only."""
+
+    def __init__(self, path: Path | str, reserve_bytes: int) -> None:
+        self.path = path
+        self.reserve_bytes = max(0, reserve_bytes)
+        # While the reserve binds, the stored bytes the store is held to, else None.
+        self.cap: int | None = None
+        self._room: int | None = None  # file system bytes above the reserve, this transaction
+        self._logged = False
+
+    def begin(self) -> None:
+        """A write transaction starts: measure the file system's room above the reserve."""
+        self._room = self._fs_room()
+
+    def budget(self, budget_bytes: int, stored_bytes: int, size: int) -> tuple[int, bool]:
+        """The stored bytes a put of ``size`` bytes may bring the store to (the byte budget,
+        or, while the file system is at its reserve, what the store held when it got there),
+        and whether the store froze at this put."""
+        room = self._room
+        if room is None or room >= size:
+            self.cap = None  # room again (or never short of it)
+            return budget_bytes, False
+        if self.cap is not None:
+            return self.cap, False
+        self.cap = min(budget_bytes, stored_bytes)
+        if not self._logged:
+            self._logged = True
+            log.warning("store at %s: its file system is down to the %d bytes the store leaves "
+                        "free (disk_reserve); the store stays at %d stored bytes and makes room "
+                        "for new chunks by evicting the least recently used", self.path,
+                        self.reserve_bytes, self.cap)
+        return self.cap, True
+
+    def wrote(self, size: int) -> None:
+        """A put of ``size`` bytes was written. Pages this transaction freed are used again only
+        by later ones: count it as growth."""
+        if self._room is not None:
+            self._room -= size
+
+    def _fs_room(self) -> int | None:
+        """Bytes the file system has free above the reserve (None: no reserve, or unknown)."""
+        if not self.reserve_bytes:
+            return None
+        try:
+            return shutil.disk_usage(self.path).free - self.reserve_bytes
+        except OSError:
+            return None
