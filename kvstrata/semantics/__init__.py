@@ -93,7 +93,7 @@ keys past its first MISS are probed too (vLLM stops there); a store candidate wh
 null block after a real one (a stale, re-allocated sliding-window block) is refused, where vLLM
 would copy the remaining blocks to the wrong offsets.
 
-Known gaps kept for parity with vLLM 0.32.0 (pinned by xfail tests in tests/unit/test_semantics.py;
+Known gaps kept for parity with vLLM 0.32.0 (pinned by xfail tests in tests/unit/test_semantics_properties.py;
 all need a sparse ``retention_interval`` — vLLM's default 0 — and a sliding-window group):
 a full-attention drafter's pop puts every hit one drafter chunk below the replay boundary, where
 the window tail was not kept (served 0); a window with ``W - 1 + extra`` a multiple of the chunk is

@@ -1,0 +1,214 @@
+"""Loads from the disk tier under vLLM 0.32.0's real Scheduler, on CPU: waiting on promotions,
+streamed loads, and records found corrupt or missing (recomputed, never served)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from connector_scheduler_helpers import (
+    slow_disk_reads,
+    token_prompt,
+)
+from strata_harness import G, Runner
+
+pytestmark = pytest.mark.integration
+
+
+def test_waiting_on_promotions_neither_spins_nor_rescans(runners, tmp_path: Path, monkeypatch) -> None:
+    """A restarted engine whose first request waits on disk -> host promotions: its empty steps
+    wait for them (bounded by IDLE_WAIT_S) instead of spinning, and its lookup is not re-run
+    while every chunk it waits on is still in flight."""
+    import time
+
+    from kvstrata.connector import scheduler as sched_mod
+    from kvstrata.tiers.disk import DiskStore
+
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(token_prompt(96), 1)  # chunk-aligned: no prompt tail
+    first.close()
+    second = runners([G("full", 16)], store=store)
+    slow_read = 0.05  # each record takes 50 ms to read: the promotions span ~2 reads per thread
+    real_get_into = DiskStore.get_into
+
+    def slow_get_into(self, key, out):
+        time.sleep(slow_read)
+        return real_get_into(self, key, out)
+
+    monkeypatch.setattr(DiskStore, "get_into", slow_get_into)
+    hierarchy = second.connector.scheduler.hierarchy
+    lookups = []
+    real_lookup = hierarchy.lookup_many
+    monkeypatch.setattr(hierarchy, "lookup_many",
+                        lambda keys, promoting=None, **kw: lookups.append(len(keys))
+                        or real_lookup(keys, promoting, **kw))
+    idle_waits = []  # (the bound each empty step waited with, whether its promotions landed)
+    real_wait = hierarchy.wait_promotions
+
+    def recorded_wait(keys, timeout):
+        done = real_wait(keys, timeout)
+        idle_waits.append((timeout, done))
+        return done
+
+    monkeypatch.setattr(hierarchy, "wait_promotions", recorded_wait)
+    req = second.add(token_prompt(96), 1)
+    steps = 0
+    while req.request_id not in second.loaded_tokens:
+        second.step()
+        steps += 1
+        assert steps < 100_000, "the request was never served"  # a hang guard
+    assert second.loaded_tokens[req.request_id] == 96
+    second.run_until_idle()
+    assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["hit_tokens_host"] == 0
+    assert second.load_errors == []
+    # Every step before the load (but the few around the lookup and the load) waited for the
+    # promotions, bounded by IDLE_WAIT_S, instead of returning at once: no spinning.
+    assert steps <= len(idle_waits) + 6, (steps, len(idle_waits))
+    assert idle_waits and all(bound <= sched_mod.IDLE_WAIT_S for bound, _ in idle_waits)
+    assert any(done for _, done in idle_waits)  # the wait ended when the promotions landed
+    # The lookup ran when the request arrived and once more after its chunks landed, not per step.
+    assert len(lookups) <= 3, lookups
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "verified-first"])
+def test_disk_hit_is_loaded_while_its_chunks_land(runners, tmp_path: Path, monkeypatch, stream) -> None:
+    """Under kv_load_failure_policy="recompute" (this harness) loads stream: the restarted
+    engine's first request gets its load job in its first step, while the promotions still run,
+    and the worker copies each chunk as it lands. With ``stream_loads`` off the hit is answered
+    only once every chunk landed. Either way every loaded page is byte-checked."""
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(token_prompt(96), 1)
+    first.close()
+    second = runners([G("full", 16)], store=store, extra={"stream_loads": stream})
+    slow_disk_reads(monkeypatch, 0.03)
+    hierarchy = second.connector.scheduler.hierarchy
+    req = second.add(token_prompt(96), 1)
+    second.step()
+    in_flight = hierarchy.stats()["promotions_inflight"]
+    assert in_flight > 0
+    assert (req.request_id in second.loaded_tokens) is stream
+    second.run_until_idle()
+    assert second.loaded_tokens[req.request_id] == 96
+    assert second.load_errors == []
+    st = hierarchy.stats()
+    assert st["loads_streamed"] == (6 if stream else 0)
+    assert st["host"]["referenced"] == 0 and st["host"]["not_ready"] == 0
+    assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["load_failures"] == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-rank1-corrupt"])
+def test_streamed_load_of_a_corrupt_record_is_recomputed_from_a_shorter_hit(
+        runners, tmp_path: Path, monkeypatch, tp: int) -> None:
+    """A record found corrupt after its streamed load began: the load fails, vLLM (policy
+    "recompute") resets the request, and its next lookup serves only the chunks before the bad
+    one — byte-checked — and never the bad chunk. With two ranks only rank 1's record of the
+    chunk is bad: the whole load fails all the same, on both ranks."""
+    import lmdb
+    from strata_harness import EOS
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvstrata import semantics
+
+    store = tmp_path / "persist"
+    prompt = token_prompt(96)
+    first = runners([G("full", 16)], store=store, tp=tp)
+    first.serve(prompt, 1)
+    sched = first.connector.scheduler
+    params = SamplingParams(max_tokens=1)
+    params.update_from_generation_config({}, EOS)
+    probe = Request(request_id="probe", prompt_token_ids=prompt, sampling_params=params,
+                    pooling_params=None, block_hasher=first._hasher)
+    keys = list(semantics.chunk_keys(probe.block_hashes, sched.layout.groups[0]))
+    bad = sched.hierarchy.namespaces[tp - 1] + keys[3]
+    first.close()
+    with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
+        payload = raw.open_db(b"payload", txn=txn)
+        frame = bytearray(txn.get(bad, db=payload))
+        frame[len(frame) // 2] ^= 0xFF
+        txn.put(bad, bytes(frame), db=payload)
+
+    second = runners([G("full", 16)], store=store, tp=tp)
+    slow_disk_reads(monkeypatch, 0.02)
+    req = second.add(prompt, 1)
+    second.step()
+    assert req.request_id in second.loaded_tokens  # streamed: answered before the reads ended
+    second.run_until_idle()
+    assert second.load_errors == []
+    assert second.stats.data["load_failures"] == 1
+    assert second.loaded_tokens[req.request_id] == 48  # the retry: chunks 0-2, never chunk 3
+    # Only what was served counts: the retry's 48 tokens, not the failed load's 96.
+    assert second.stats.data["hit_tokens"] == 48 == second.stats.data["hit_tokens_disk"]
+    assert second.connector.scheduler.hierarchy.stats()["promotions_failed"] == 1
+    assert req.is_finished()
+
+
+def _chunk_store_keys(r: Runner, prompt: list[int], rank: int = 0) -> list[bytes]:
+    """Store keys (rank ``rank``'s namespace + chunk key) of ``prompt``'s full-attention chunks."""
+    from strata_harness import EOS
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvstrata import semantics
+
+    sched = r.connector.scheduler
+    params = SamplingParams(max_tokens=1)
+    params.update_from_generation_config({}, EOS)
+    probe = Request(request_id="probe", prompt_token_ids=prompt, sampling_params=params,
+                    pooling_params=None, block_hasher=r._hasher)
+    keys = semantics.chunk_keys(probe.block_hashes, sched.layout.groups[0])
+    return [sched.hierarchy.namespaces[rank] + k for k in keys]
+
+
+def _flip_payload_byte(store: Path, key: bytes) -> None:
+    import lmdb
+
+    with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
+        payload = raw.open_db(b"payload", txn=txn)
+        frame = bytearray(txn.get(key, db=payload))
+        frame[len(frame) // 2] ^= 0xFF
+        txn.put(key, bytes(frame), db=payload)
+
+
+def test_a_failed_load_retried_with_no_hit_stores_what_it_recomputes(runners, tmp_path: Path) -> None:
+    """The first chunk's record is corrupt: the streamed load fails, the retry finds nothing and
+    recomputes the prompt. What it recomputed is stored again (the scan was not left past the
+    failed load's chunks), so the next request is served the whole prompt from the host tier."""
+    store = tmp_path / "persist"
+    prompt = token_prompt(96)
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    chunk0 = _chunk_store_keys(first, prompt)[0]
+    first.close()
+    _flip_payload_byte(store, chunk0)
+    second = runners([G("full", 16)], store=store)
+    req = second.add(prompt, 1)
+    second.run_until_idle()
+    assert second.stats.data["load_failures"] == 1
+    assert second.stats.data["hit_tokens"] == 0  # the retry: chunk 0 is bad, nothing served
+    assert req.is_finished()
+    second.drop_gpu_prefix_cache()
+    assert second.serve(prompt, 1) == 96
+    assert second.load_errors == []
+
+
+def test_a_lookup_promotes_nothing_past_the_first_missing_chunk(runners, tmp_path: Path) -> None:
+    """Chunk 2 of 6 is gone from the store: the restarted engine's lookup promotes chunks 0 and 1
+    only (chunks 3-5 could not be served, and promoting them would take host slots and make the
+    request wait for them)."""
+    store = tmp_path / "persist"
+    prompt = token_prompt(96)
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    gone = _chunk_store_keys(first, prompt)[2]
+    first.close()
+    import lmdb
+
+    with lmdb.open(str(store), max_dbs=4) as raw, raw.begin(write=True) as txn:
+        assert txn.delete(gone, db=raw.open_db(b"index", txn=txn))
+    second = runners([G("full", 16)], store=store)
+    assert second.serve(prompt, 1) == 32
+    assert second.connector.scheduler.hierarchy.stats()["promotions_started"] == 2
+    assert second.load_errors == []

@@ -1,0 +1,245 @@
+"""The Hierarchy's promotions from disk to the host tier: prefetch on lookup (bounded,
+deduplicated, never evicting a hit), awaiting promotions, the warm start, and corrupt or
+wrong-size records."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hierarchy_helpers import (
+    DEADLINE_S,
+    GROUP_BYTES,
+    HIT,
+    MISS,
+    NS,
+    PENDING,
+    GatedDisk,
+    corrupt_payload,
+    eventually,
+    holds,
+    key,
+    on_disk,
+    store,
+)
+
+from kvstrata.tiers.disk import DiskStore
+from kvstrata.tiers.hierarchy import Hierarchy
+
+# ---- prefetch -------------------------------------------------------------------------------------
+
+
+def test_a_promotion_never_evicts_a_chunk_the_same_lookup_answered_hit(env):
+    """One request's lookup probes in several batches (groups, windows, tails): a chunk an
+    earlier batch answered HIT is about to be loaded, so a later batch's promotion must not
+    evict it (prepare_load would then fail inside vLLM's scheduler)."""
+    disk = env.disk()
+    h = env.hier(disk, slots=4)
+    store(h, [key(i) for i in range(4)])
+    eventually(lambda: all(on_disk(disk, key(i)) for i in range(4)), "write-behind")
+    h.close()
+    h2 = env.hier(disk, slots=2)
+    store(h2, [key(10)])  # an unrelated chunk, the least recently used
+    store(h2, [key(0)])
+    eventually(lambda: h2.stats()["writes_completed"] == 2, "write-behind")  # slots idle again
+    answered: set[bytes] = set()
+    assert h2.lookup_many([key(0)], protect=answered) == [HIT]
+    answered.add(key(0))
+    # The next batch needs two slots: key(10) may go, key(0) may not.
+    assert h2.lookup_many([key(1), key(2)], protect=answered) == [PENDING, MISS]
+    assert h2.prepare_load([key(0)])  # still there
+    h2.complete_load([key(0)])
+    eventually(lambda: h2.lookup_many([key(1)]) == [HIT], "promotion")
+    # Without the protection the same batch evicts it (what a lookup did before).
+    h3 = env.hier(disk, slots=1)
+    store(h3, [key(0)])
+    eventually(lambda: h3.stats()["writes_completed"] == 1, "write-behind")
+    assert h3.lookup_many([key(0)]) == [HIT]
+    assert h3.lookup_many([key(1)]) == [PENDING]
+    with pytest.raises(KeyError):
+        h3.prepare_load([key(0)])
+
+
+def test_a_prefix_probe_starts_no_promotion_past_its_first_miss(env):
+    """A full-attention run ends at its first chunk that is nowhere: chunks after it on disk are
+    not promoted (they would take host slots, and the lookup would wait for them)."""
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(i) for i in (0, 1, 3, 4)])
+    h.close()
+    h2 = env.hier(disk)
+    keys = [key(i) for i in range(5)]
+    assert h2.lookup_many(keys, prefix=True) == [PENDING, PENDING, MISS, MISS, MISS]
+    assert h2.stats()["promotions_started"] == 2
+    # Host chunks past the miss still answer HIT (the run ignores them); nothing is promoted.
+    store(h2, [key(4)])
+    assert h2.lookup_many(keys, prefix=True)[2:] == [MISS, MISS, HIT]
+    assert h2.stats()["promotions_started"] == 2
+    # A plain probe (a window, or no run) promotes everything it finds.
+    eventually(lambda: h2.lookup_many(keys[:2]) == [HIT, HIT], "promotions")
+    assert h2.lookup_many(keys) == [HIT, HIT, MISS, PENDING, HIT]
+    assert h2.stats()["promotions_started"] == 3
+
+
+def _restart_with_stuck_reads(env, keys: list[bytes], **kw) -> tuple[GatedDisk, Hierarchy]:
+    """Store ``keys`` to disk, then a new hierarchy on the same store whose disk reads block
+    until ``gated.reads_open`` is set."""
+    disk = env.disk()
+    h = env.hier(disk, slots=16)
+    store(h, keys)
+    h.close()
+    gated = GatedDisk(disk)
+    gated.reads_open.clear()
+    return gated, env.hier(gated, **kw)
+
+
+def test_prefetch_is_deduplicated_and_bounded(env):
+    keys = [key(i) for i in range(6)]
+    gated, h2 = _restart_with_stuck_reads(env, keys, max_concurrent_reads=2, read_threads=4)
+    for _ in range(5):  # a scheduler asking again every step while the reads are stuck
+        assert h2.lookup_many(keys) == [PENDING] * 6
+        assert h2.promote(keys) == [PENDING] * 6
+    eventually(lambda: gated.active_reads == 2, "two reads in flight")
+    assert h2.stats()["promotions_started"] == 6
+    gated.reads_open.set()
+    eventually(lambda: h2.lookup_many(keys) == [HIT] * 6, "promotions")
+    assert sorted(gated.get_calls) == sorted(ns + k for k in keys for ns in NS)  # once each
+    assert gated.max_active_reads <= 2
+
+
+def test_promotions_in_flight_can_be_awaited(env):
+    keys = [key(i) for i in range(4)]
+    gated, h2 = _restart_with_stuck_reads(env, keys)
+    assert not h2.in_flight(keys)
+    assert h2.wait_promotions(keys, 0.0)  # nothing to wait for
+    promoting: dict[bytes, str] = {}
+    assert h2.lookup_many(keys, promoting) == [PENDING] * 4
+    assert promoting == dict.fromkeys(keys, "disk")
+    again: dict[bytes, str] = {}
+    assert h2.lookup_many(keys + [key(99)], again) == [PENDING] * 4 + [MISS]
+    assert again == dict.fromkeys(keys, "disk")  # still promoting: reported on every lookup
+    assert h2.in_flight(keys[:1]) and not h2.in_flight([key(99)])
+    assert not h2.wait_promotions(keys, 0.05)  # reads are stuck: times out
+    threading.Timer(0.05, gated.reads_open.set).start()
+    assert h2.wait_promotions(keys, DEADLINE_S)  # woken by the landing promotions
+    assert not h2.in_flight(keys) and h2.lookup_many(keys) == [HIT] * 4
+
+
+def test_close_wakes_promotion_waiters(env):
+    gated, h2 = _restart_with_stuck_reads(env, [key(1)])
+    assert h2.lookup_many([key(1)]) == [PENDING]
+    # The reads stay stuck until the waiter has returned: only the close can wake it (without
+    # that, the wait runs out its deadline and answers False).
+    closer = threading.Timer(0.05, h2.close, kwargs={"timeout": 0.1})
+    closer.start()
+    try:
+        assert h2.wait_promotions([key(1)], DEADLINE_S)
+    finally:
+        gated.reads_open.set()
+        closer.join()
+
+
+def _stored_one_by_one(env, keys: list[bytes]) -> DiskStore:
+    """``keys`` written to a store in this order, each with a later access tick."""
+    disk = env.disk()
+    h = env.hier(disk)
+    for k in keys:
+        store(h, [k])
+        eventually(lambda k=k: on_disk(disk, k), "write-behind")
+        time.sleep(0.002)  # ticks are microseconds of the wall clock
+    h.close()
+    return disk
+
+
+def test_warm_start_promotes_the_most_recently_used_chunks(env):
+    keys = [key(i, group=i % 2) for i in range(6)]
+    disk = _stored_one_by_one(env, keys)
+    disk.touch_many([ns + keys[0] for ns in NS])  # served again since: the most recent now
+    h2 = env.hier(disk, max_concurrent_reads=2)
+    warmed = [keys[0], keys[5], keys[4]]
+    h2.warm_start(3)
+    assert h2.wait_warm_start(DEADLINE_S)  # the warm start ended: what it promoted has landed
+    assert h2.stats()["warm_promotions"] == 3 and not h2.in_flight(warmed)
+    assert h2.lookup_many(warmed) == [HIT] * 3  # no disk read on the request's path
+    assert h2.stats()["promotions_completed"] == 3
+    loaded = h2.prepare_load(warmed)
+    assert all(holds(h2.slab, s, k) for s, k in zip(loaded, warmed, strict=True))
+    h2.complete_load(warmed)
+    assert h2.lookup_many([keys[3]]) == [PENDING]  # not warmed: promoted when asked for
+
+
+def test_warm_start_fills_free_slots_only_and_stops_on_close(env):
+    keys = [key(i) for i in range(6)]
+    disk = _stored_one_by_one(env, keys)
+    h2 = env.hier(disk, slots=2)
+    h2.warm_start(6)  # more than the host tier holds: the two most recent, evicting nothing
+    eventually(lambda: h2.stats()["promotions_completed"] == 2, "warm")
+    assert h2.lookup_many(keys[-2:]) == [HIT, HIT]
+    assert h2.stats()["warm_promotions"] == h2.stats()["promotions_started"] == 2
+    # A warm start stuck on a slow disk: close() ends it after the read in flight, and reads
+    # nothing more.
+    gated = GatedDisk(disk)
+    gated.reads_open.clear()
+    gated.iter_index = disk.iter_index  # type: ignore[attr-defined]
+    h3 = env.hier(gated, slots=16, max_concurrent_reads=1)
+    h3.warm_start(6)
+    eventually(lambda: gated.active_reads == 1, "first warm read")
+    stuck = gated.get_calls[0][len(NS[0]) :]
+    closer = threading.Thread(target=h3.close, daemon=True)
+    closer.start()
+    eventually(lambda: h3.wait_promotions([stuck], 0.0), "close() began")  # True once closed
+    gated.reads_open.set()
+    closer.join(DEADLINE_S)
+    assert not closer.is_alive(), "close() waited for the rest of the warm start"
+    assert sorted(gated.get_calls) == sorted(ns + stuck for ns in NS)  # that chunk only
+
+
+def test_hits_are_protected_from_promotion_eviction(env):
+    disk = env.disk()
+    h = env.hier(disk, slots=4)
+    store(h, [key(i) for i in range(4)])
+    h.close()
+    h2 = env.hier(disk, slots=2)
+    store(h2, [key(10), key(11)])
+    eventually(lambda: h2.stats()["write_inflight_bytes"] == 0, "write-behind")  # unpins them
+    # key(10), key(11) are HIT in this batch: promoting key(0) must not evict them.
+    assert h2.lookup_many([key(10), key(11), key(0)]) == [HIT, HIT, MISS]
+    assert h2.stats()["promote_no_room"] == 1
+    assert h2.lookup_many([key(10), key(0)]) == [HIT, PENDING]  # key(11) may go now
+    eventually(lambda: h2.lookup_many([key(0)]) == [HIT], "promotion")
+
+
+def test_corrupt_record_is_a_miss_not_an_error(env):
+    disk = env.disk()
+    h = env.hier(disk)
+    store(h, [key(1), key(2)])
+    h.close()
+    disk.close()
+    corrupt_payload(env.db_path, NS[1] + key(2))
+    disk = env.disk()
+    h2 = env.hier(disk)
+    assert h2.lookup_many([key(1), key(2)]) == [PENDING, PENDING]
+    eventually(lambda: PENDING not in h2.lookup_many([key(1), key(2)]), "promotions")
+    assert h2.lookup_many([key(1), key(2)]) == [HIT, MISS]
+    st = h2.stats()
+    assert st["promotions_failed"] == 1 and st["promotions_started"] == 2  # not retried
+    assert h2.pool.free_slots == h2.pool.num_slots - 1  # the failed slot went back
+    # The chunk can be stored again and then reads back fine.
+    store(h2, [key(2)])
+    assert h2.lookup_many([key(2)]) == [HIT]
+
+
+def test_wrong_size_record_is_a_miss_and_not_refetched(env):
+    """A record of another geometry (e.g. written by an older layout) is never retried."""
+    disk = env.disk()
+    k = key(5, group=1)
+    short = np.zeros(GROUP_BYTES[1] - 8, dtype=np.uint8)
+    assert disk.put_many([(ns + k, short, "int8") for ns in NS]) == 2
+    h = env.hier(disk)
+    assert h.lookup_many([k]) == [PENDING]
+    eventually(lambda: h.lookup_many([k]) == [MISS], "failed promotion")
+    for _ in range(3):
+        assert h.lookup_many([k]) == [MISS]
+    assert h.stats()["promotions_started"] == 1 and h.stats()["promotions_failed"] == 1
