@@ -243,3 +243,64 @@ def test_wrong_size_record_is_a_miss_and_not_refetched(env):
     for _ in range(3):
         assert h.lookup_many([k]) == [MISS]
     assert h.stats()["promotions_started"] == 1 and h.stats()["promotions_failed"] == 1
+
+
+class _CountingDisk(GatedDisk):
+    """A real DiskStore that counts the records its index is asked about."""
+
+    def __init__(self, disk) -> None:
+        super().__init__(disk)
+        self.probed = 0
+
+    def contains_many(self, keys):
+        self.probed += len(keys)
+        return self.disk.contains_many(keys)
+
+
+def test_a_long_prefix_run_asks_the_disk_about_a_few_chunks_past_its_first_miss(env):
+    """A long prompt whose store holds only its first chunks (a shared system prompt): the disk
+    is asked about batches growing from PREFIX_BATCH and no further than the batch holding the
+    first miss, not about every chunk of the run each time the request is looked up again."""
+    from kvstrata.tiers.hierarchy.lookup import PREFIX_BATCH
+
+    disk = env.disk()
+    h = env.hier(disk, slots=64)
+    held = PREFIX_BATCH + 3  # the first miss falls in the second batch
+    store(h, [key(i) for i in range(held)])
+    eventually(lambda: h.stats()["writes_completed"] == held, "write-behind")
+    h.close()
+    counting = _CountingDisk(disk)
+    h2 = env.hier(counting, slots=256)
+    keys = [key(i) for i in range(1000)]
+    states = h2.lookup_many(keys, prefix=True)
+    assert states == [PENDING] * held + [MISS] * (1000 - held)
+    assert h2.stats()["promotions_started"] == held
+    # Two shards per chunk: the first batch, then a batch four times as large; not all 1000.
+    assert counting.probed == len(NS) * (PREFIX_BATCH + 4 * PREFIX_BATCH), counting.probed
+    # Every chunk the tiers hold is found, in one batch or several.
+    eventually(lambda: h2.lookup_many(keys[:held]) == [HIT] * held, "promotions")
+    counting.probed = 0
+    assert h2.lookup_many(keys, prefix=True) == [HIT] * held + [MISS] * (1000 - held)
+    assert counting.probed == len(NS) * PREFIX_BATCH  # the first chunk not in the host tier misses
+
+
+def test_promotions_that_do_not_all_fit_take_the_slots_there_are_in_order(env):
+    """One allocation for a whole run when the host tier has room; when it has not, the run's
+    first chunks get the slots there are and the rest answer MISS (never a PENDING that waits
+    on a promotion that cannot start)."""
+    disk = env.disk()
+    h = env.hier(disk, slots=16)
+    keys = [key(i) for i in range(10)]
+    store(h, keys)
+    eventually(lambda: h.stats()["writes_completed"] == 10, "write-behind")
+    h.close()
+    h2 = env.hier(disk, slots=16)
+    pinned = [key(100 + i) for i in range(12)]
+    assert h2.prepare_store(pinned) is not None  # 12 of 16 slots held by stores in flight
+    assert h2.lookup_many(keys, prefix=True) == [PENDING] * 4 + [MISS] * 6
+    assert h2.stats()["promotions_started"] == 4
+    assert h2.stats()["promote_no_room"] >= 1
+    eventually(lambda: h2.lookup_many(keys[:4]) == [HIT] * 4, "promotions")
+    slots = h2.prepare_load(keys[:4])
+    assert all(holds(h2.slab, s, k) for s, k in zip(slots, keys[:4], strict=True))
+    h2.complete_load(keys[:4])

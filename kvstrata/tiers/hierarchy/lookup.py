@@ -26,6 +26,7 @@ _ABSENT, _READY, _NOT_READY = HostPool.ABSENT, HostPool.READY, HostPool.NOT_READ
 _HIT, _PENDING, _MISS = Presence.HIT, Presence.PENDING, Presence.MISS
 # Indexed by HostPool.lookup_many's states (ABSENT=0, READY=1, NOT_READY=2).
 _BY_HOST_STATE = (_MISS, _HIT, _PENDING)
+PREFIX_BATCH = 32  # the first batch of a prefix run asked of the lower tiers (``Lookup.find``)
 
 
 class Lookup:
@@ -104,7 +105,34 @@ class Lookup:
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
         """Which lower tier holds each candidate (every shard), asking the tiers in order
-        outside the lock; with ``prefix``, nothing past the first key no tier holds."""
+        outside the lock; with ``prefix``, nothing past the first key no tier holds.
+
+        A prefix run is asked in batches growing fourfold from ``PREFIX_BATCH`` keys and stops
+        at the first key no tier holds: a long prompt of which the tiers hold only the first
+        chunks (a shared system prompt) costs a few probes, not one per chunk each time a
+        waiting request is looked up again (docs/BENCHMARKS.md, "The scheduler's side at GPU
+        scale")."""
+        if not prefix:
+            return self._find(keys, candidates)
+        bad = self.s.bad
+        if bad:  # a chunk whose promotion failed ends the run there
+            first_bad = next((i for i, k in enumerate(keys) if k in bad), len(keys))
+            candidates = [i for i in candidates if i < first_bad]
+        source: dict[int, TierLink] = {}
+        start, size = 0, PREFIX_BATCH
+        while start < len(candidates):
+            batch = candidates[start:start + size]
+            found = self._find(keys, batch)
+            first_miss = next((i for i in batch if i not in found), None)
+            if first_miss is not None:
+                source.update((i, link) for i, link in found.items() if i < first_miss)
+                break
+            source.update(found)
+            start += size
+            size *= 4
+        return source
+
+    def _find(self, keys: Sequence[bytes], candidates: list[int]) -> dict[int, TierLink]:
         source: dict[int, TierLink] = {}
         rest = candidates
         for link in self.s.links:
@@ -117,11 +145,6 @@ class Lookup:
                 found = [False] * len(rest)
             source.update((i, link) for i, f in zip(rest, found, strict=True) if f)
             rest = [i for i, f in zip(rest, found, strict=True) if not f]
-        if prefix:
-            bad = self.s.bad
-            first_miss = min((i for i in rest), default=len(keys))
-            first_miss = min(first_miss, next((i for i in range(len(keys)) if keys[i] in bad), len(keys)))
-            source = {i: link for i, link in source.items() if i < first_miss}
         return source
 
     def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
@@ -136,8 +159,18 @@ class Lookup:
                 self._note_read_back(keys, source, asked)
             protected: set[bytes] | None = None
             room = not s.closed
-            for i in sorted(source):
+            order = sorted(source)
+            slots_of = self._allocate_all(keys, order, states, protect) if room else {}
+            for i in order:
                 key = keys[i]
+                slot = slots_of.pop(key, None)
+                if slot is not None:
+                    items.append(self.promoter.start(key, slot, source[i]))
+                    states[i] = _HIT if stream else _PENDING
+                    streamed += stream
+                    if promoting is not None:
+                        promoting[key] = source[i].name
+                    continue
                 st = self.s.pool.lookup_many((key,), touch=False)[0]
                 if st != _ABSENT:  # appeared meanwhile (a store, or a duplicate key)
                     if st == _READY:
@@ -169,6 +202,22 @@ class Lookup:
                     promoting[key] = source[i].name
             self.promoter.launch(items)
             self._count(states, streamed)
+
+    def _allocate_all(self, keys: Sequence[bytes], order: list[int], states: list[Presence],
+                      protect: set[bytes] | None) -> dict[bytes, int]:
+        """Host slots for every chunk of ``order`` not in the host tier, in one allocation (one
+        pass over the eviction order instead of one per chunk); {} when they do not all fit,
+        and the caller then allocates chunk by chunk, as far as room goes. Under the lock."""
+        pool = self.s.pool
+        wanted = list(dict.fromkeys(keys[i] for i in order))
+        absent = [k for k, st in zip(wanted, pool.lookup_many(wanted, touch=False), strict=True) if st == _ABSENT]
+        if not absent:
+            return {}
+        protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
+        if protect:
+            protected |= protect
+        slots = pool.allocate(absent, protected)
+        return {} if slots is None else dict(zip(absent, slots, strict=True))
 
     def _note_read_back(self, keys: Sequence[bytes], source: dict[int, TierLink], asked: list[int]) -> None:
         """A request looked for ``asked`` below the host tier: those a tier holds, and those it
