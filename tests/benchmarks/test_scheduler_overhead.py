@@ -1,0 +1,53 @@
+"""``benchmarks/scheduler_overhead.py``: its options, and one tiny run of every configuration
+through vLLM's real AsyncScheduler that checks each figure is reported and kvstrata served the
+second rounds. Its times are the experiment's output, never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from usage_helper import refusal
+
+pytest.importorskip("vllm")
+
+from benchmarks import scheduler_overhead  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "kvstrata,nope"], "unknown configuration(s) nope"),
+    (["--users", "0"], "--users must be positive"),
+    (["--forward-ms", "-1"], "--forward-ms must not be negative"),
+    (["--system-tokens", "9000"], "--system-tokens must not exceed --prompt-tokens"),
+    (["--kvstrata-config", "{"], "--kvstrata-config is not JSON"),
+    (["--kvstrata-config", "[1]"], "--kvstrata-config must be a JSON object"),
+    (["--num-blocks", "0"], "--num-blocks must be positive"),
+])
+def test_bad_options_name_what_is_wrong(argv, message, capsys) -> None:
+    assert message in refusal(scheduler_overhead.parse_args, argv, capsys)
+
+
+def test_every_configuration_reports_its_figures(capsys) -> None:
+    # Three users whose contexts do not fit the device's 60 blocks: second rounds come back for
+    # prefixes vLLM's own cache evicted.
+    code = scheduler_overhead.main([
+        "--users", "3", "--rounds", "2", "--system-tokens", "64", "--prompt-tokens", "512",
+        "--question-tokens", "16", "--answer-tokens", "8", "--arrival-steps", "1", "--num-blocks", "60",
+        "--forward-ms", "1", "--forward-us-per-token", "0", "--host-bytes", "8MiB"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    figs = result["configs"]
+    assert set(figs) == set(scheduler_overhead.CONFIGS)
+    for name, fig in figs.items():
+        assert fig["steps"] > 0 and fig["engine_core_us"]["mean"] > 0, (name, fig)
+        assert fig["computed_tokens"] > 0, (name, fig)
+    none, mine = figs["none"], figs["kvstrata"]
+    assert none["connector_us"] is None and none["served_tokens"] is None
+    assert mine["connector_us"]["mean"] > 0 and mine["worker_us"]["mean"] > 0
+    assert set(mine["connector_hook_s"]) >= {"get_num_new_matched_tokens", "build_connector_meta"}
+    # The second rounds were served from kvstrata's tiers, and the engine computed that much less.
+    assert mine["served_tokens"] > 0, mine
+    assert mine["computed_tokens"] < none["computed_tokens"], (mine, none)
+    assert mine["engine_core_us_added"].keys() == {"mean", "p50", "p99"}
+    assert 0 < mine["computed_tokens_vs_none"] < 1
+    assert result["connector_us_mean_vs_vllm_tiered_fs"] > 0
