@@ -26,6 +26,7 @@ DEFAULT_HOST_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 64 << 30
 DEFAULT_DISK_RESERVE = 1 << 30
 MAX_AUTO_IO_THREADS = 4
+AUTO_CHUNK_TOKENS = 64  # the least tokens per chunk blocks_per_chunk "auto" aims for
 MAX_SIZE_BYTES = 1 << 60  # 1 EiB: beyond any disk or memory, still a 64-bit count
 
 # Numbers in strings are ASCII only: no Unicode digits ("²", "٤"), "nan", "inf" or underscores.
@@ -100,7 +101,12 @@ class StrataConfig:
     # system fails every program on it). 0: none.
     disk_reserve: int | str = DEFAULT_DISK_RESERVE
     disk: bool = True
-    blocks_per_chunk: int = 1
+    # vLLM blocks per stored chunk. "auto": chunks of at least AUTO_CHUNK_TOKENS tokens where
+    # every offloaded group is plain full attention (a GPU's 16-token blocks: 4), one block
+    # otherwise (connector/plan.py): per-chunk bookkeeping on the scheduler's side is what a
+    # step pays for, and 16-token chunks cost 3x as much per step as 64-token ones
+    # (docs/BENCHMARKS.md, "The scheduler's side at GPU scale").
+    blocks_per_chunk: int | Literal["auto"] = "auto"
     codec: Literal["auto", "raw"] = "auto"
     zstd_level: int = 1
     admission: int = 1
@@ -406,7 +412,7 @@ _VALIDATORS = {
     "disk_bytes": lambda k, v: _min_size(k, v, 1 << 20),
     "disk_reserve": lambda k, v: _reserve(k, v),
     "disk": _bool,
-    "blocks_per_chunk": _int_range(1, 4096),
+    "blocks_per_chunk": _auto_or(_int_range(1, 4096)),
     "codec": _choice("auto", "raw"),
     "zstd_level": _int_range(1, 22),
     "admission": _admission,

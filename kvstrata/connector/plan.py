@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -26,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvstrata.config import ConfigError, StrataConfig
+from kvstrata.config import AUTO_CHUNK_TOKENS, ConfigError, StrataConfig
 from kvstrata.connector import keys as keymod
 from kvstrata.semantics import GroupGeometry, GroupKind, Layout
 
@@ -95,8 +96,8 @@ def build_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: Str
     if not offloaded:
         raise ValueError("kvstrata: the model has no prefix-cacheable KV cache group to offload")
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    bpc = cfg.blocks_per_chunk
     drafters = _drafter_groups(vllm_config, kv_cache_config)
+    bpc = blocks_per_chunk(cfg, kv_cache_config, offloaded, drafters, tokens_per_hash)
     geoms: list[GroupGeometry] = []
     pages: list[GroupPages] = []
     for gid in offloaded:
@@ -146,6 +147,23 @@ def build_plan(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: Str
         num_slots=num_slots,
         replicated=replicated,
     )
+
+
+def blocks_per_chunk(cfg: StrataConfig, kv_cache_config: KVCacheConfig, offloaded: Sequence[int],
+                     drafters: set[int], tokens_per_hash: int) -> int:
+    """The option ``blocks_per_chunk``, "auto" resolved: chunks of at least
+    ``AUTO_CHUNK_TOKENS`` tokens where every offloaded group is plain full attention and none is
+    a drafter's, else one block (windows, Mamba states and drafter widening are counted in
+    chunks: a larger chunk would serve less of each prompt there, and partial tails need one
+    block per chunk, docs/SEMANTICS.md R7)."""
+    if cfg.blocks_per_chunk != "auto":
+        return int(cfg.blocks_per_chunk)
+    specs = [kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in offloaded]
+    plain = not drafters and all(
+        _geometry(g, spec, 1, tokens_per_hash, False).kind is GroupKind.FULL
+        for g, spec in zip(offloaded, specs, strict=True))
+    block = max(spec.block_size for spec in specs)
+    return max(1, -(-AUTO_CHUNK_TOKENS // block)) if plain else 1
 
 
 def replicated_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:

@@ -148,7 +148,10 @@ def vllm_config(model_dir: Path, store: Path, *, block_size: int, extra: dict[st
     kvt = KVTransferConfig(
         kv_connector="StrataConnector", kv_connector_module_path="kvstrata.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"store_path": str(store), "host_bytes": 64 << 20, **(extra or {})},
+        # One block per chunk unless a test says otherwise: the scenarios count in blocks ("auto"
+        # would make the 16-token blocks of most of them 64-token chunks; tested on its own).
+        kv_connector_extra_config={"store_path": str(store), "host_bytes": 64 << 20, "blocks_per_chunk": 1,
+                                   **(extra or {})},
         kv_load_failure_policy="recompute",
     )
     cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
