@@ -92,6 +92,9 @@ class ModelCase:
     serves_prompt_tails: bool = False
     # Where this layout's behaviour changes (the equivalence prompts' lengths).
     block: int = 128  # vLLM's CPU default
+    # What kvstrata's blocks_per_chunk "auto" makes of this layout (connector/plan.py), where
+    # ``extra`` does not set it: one block, except plain full attention on blocks under 64 tokens.
+    auto_blocks_per_chunk: int = 1
     window: int | None = None
     mamba: bool = False  # an align-mode Mamba group whose chunk is the block
     # kvstrata options of every kvstrata engine of this case.
@@ -102,7 +105,7 @@ class ModelCase:
 
     @property
     def chunk(self) -> int:
-        return self.block * int(self.extra.get("blocks_per_chunk", 1))
+        return self.block * int(self.extra.get("blocks_per_chunk", self.auto_blocks_per_chunk))
 
     @property
     def boundaries(self) -> Boundaries:
@@ -162,6 +165,11 @@ CASES: dict[str, ModelCase] = {
                                     engine={**FP32, "kv_load_failure_policy": "fail"},
                                     serves_prompt_tails=True,
                                     extra={"blocks_per_chunk": 2, "offload_prompt_only": False}),
+    # A GPU's chunking on CPU: 32-token blocks, so blocks_per_chunk "auto" (the default) stores
+    # 64-token chunks of two blocks; every boundary of the equivalence prompts moves with it.
+    "llama_auto_chunks": ModelCase("llama_auto_chunks", lambda d, s: models.make_tiny_llama(d, seed=s),
+                                   engine={**FP32, "block_size": 32}, serves_prompt_tails=True,
+                                   block=32, auto_blocks_per_chunk=2),
     "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s), engine=FP32,
                         serves_prompt_tails=True, window=64, restarts=(TIGHT_HOST,)),
     # GDN blocks are storable only when prefill chunks end on the 384-token block. One sequence

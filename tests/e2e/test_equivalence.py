@@ -39,6 +39,7 @@ from e2e_harness import (
 from equivalence import COUNTS, boundary_lengths, divergences, served_tokens, summary
 
 from kvstrata.connector.keys import NAMESPACE_BYTES
+from kvstrata.tiers.disk import DiskStore
 
 ROUNDS = [(name, r) for name in sorted(CASES)
           for r in ["cold", "host", "disk", *(x.name for x in CASES[name].restarts), "after_corruption"]]
@@ -94,7 +95,7 @@ def test_prompt_tails_are_served(scenarios: Callable[[str], Scenario], case: str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama", "llama_verify_first", "gemma3"])
+@pytest.mark.parametrize("case", ["llama", "llama_verify_first", "llama_auto_chunks", "gemma3"])
 def test_longer_prompts_are_served_the_tails_they_start_with(scenarios: Callable[[str], Scenario], case: str) -> None:
     """A second-round prompt that extends an independent first-round prompt (by a few tokens, or
     by a block and a token) is served to that prompt's end from its stored tail, inside the block
@@ -138,6 +139,20 @@ def test_mamba_states_are_served_at_their_chunks(scenarios: Callable[[str], Scen
     sc = scenarios("qwen3_next")
     served = [out["num_cached_tokens"] for _, out in _eq_outputs(sc, "host") if served_tokens(out)]
     assert len(served) >= 5 and all(n % 384 == 0 for n in served), served
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama", "llama_auto_chunks", "gemma3"])
+def test_the_store_records_the_chunks_auto_chose(scenarios: Callable[[str], Scenario], case: str) -> None:
+    """``blocks_per_chunk`` "auto" (the default): 128-token blocks and a sliding window keep one
+    block per chunk; 32-token blocks of plain full attention are stored two to a chunk."""
+    sc = scenarios(case)
+    sc.step("eq_disk")  # the store has been written and read back
+    [space] = namespaces_of(sc.store, sc.case.model_path(sc.model_dir))
+    with DiskStore(sc.store, budget_bytes=1 << 40, readonly=True, create=False) as disk:
+        info = disk.namespaces()[space]
+    assert int(info["block_size"]) == CASES[case].block
+    assert int(info["block_size"]) * int(info["blocks_per_chunk"]) == CASES[case].chunk, info
 
 
 @pytest.mark.slow
