@@ -6,9 +6,10 @@ workers' connector hooks add to a step is hidden only while it stays under the f
 beyond it the GPU waits. The CPU engine of ``kvstrata bench serve`` cannot show that (its steps
 take hundreds of ms). This runs vLLM 0.32.0's real ``AsyncScheduler`` with a GPU's block size
 (16 tokens) and batch limits over a multi-round long-context workload, the model's forward
-replaced by nothing (sampled tokens are made up; KV pages hold whatever they held), once without
-a connector and once with kvstrata's (scheduler side, and its real worker side over KV tensors
-in host memory), and times per step:
+replaced by a sleep (sampled tokens are made up; KV pages hold whatever they held), once without
+a connector, once with kvstrata's and once with vLLM's OffloadingConnector (CPU + fs tiers, the
+peer of ``kvstrata bench serve``), each with its real worker side over KV tensors in host memory,
+and times per step:
 
 * ``schedule_us`` / ``update_us``: ``Scheduler.schedule()`` and ``update_from_output()``, the
   engine core's part of a step (the connector's scheduler hooks run inside them);
@@ -128,7 +129,7 @@ def _model_dir(path: Path, max_len: int) -> Path:
 
 
 class Engine:
-    """vLLM's real AsyncScheduler (and kvstrata's worker connector when configured), driven the
+    """vLLM's real AsyncScheduler (and the configuration's worker-side connector), driven the
     way the engine core drives them with two steps in flight (``step_with_batch_queue``)."""
 
     def __init__(self, config: str, args: argparse.Namespace, work: Path, timings: Timings) -> None:
@@ -351,6 +352,8 @@ def run_config(config: str, args: argparse.Namespace, work: Path) -> dict[str, A
             for req_id, params in engine.finished:
                 user, rnd = owner.pop(req_id)
                 served += sum(((params or {}).get(SERVED_PARAM) or {}).values())
+                # The next round: the prompt, an answer (made-up tokens, the same for every
+                # configuration) and a new question.
                 prompts[user] = prompts[user] + [1000 + i for i in range(wl.answer_tokens)]
                 if rnd + 1 < wl.rounds:
                     prompts[user] = prompts[user] + questions[user][rnd + 1]
