@@ -26,6 +26,22 @@ PY
 mkdir -p "$OUT/full"
 OUT=$OUT/full bash benchmarks/device/run.sh > "$OUT/full/log" 2>&1
 grep -E "^(gpu_check exit|torch|NVIDIA)" "$OUT/full/log"; summary "$OUT/full/gpu_check.json"
+# The disk values of a GPU's 64-token chunks (blocks_per_chunk "auto": 8 MiB of raw KV for an 8B
+# model) against one 16-token block's (2 MiB): does this host's disk tier slow down past 2 MiB
+# values as the CPU VM's buffered writes do (docs/BENCHMARKS.md)? run.sh installed the kit.
+for mib in 2 8; do
+    PYTHONPATH=/tmp/site:$PWD timeout 120 ${PYTHON:-python3} -m kvstrata.tools.cli bench disk \
+        --chunk-mib "$mib" --json > "$OUT/full/bench_disk_${mib}mib.json" 2> "$OUT/full/bench_disk_${mib}mib.err"
+    ${PYTHON:-python3} - "$OUT/full/bench_disk_${mib}mib.json" "$mib" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:  # noqa: BLE001 - a summary line, never a traceback
+    print("bench disk", sys.argv[2], "MiB: no figures:", e); sys.exit()
+print("bench disk", sys.argv[2], "MiB", {k: d.get(k) for k in (
+    "store_MBps", "raw_write_MBps", "store_vs_raw", "load_MBps", "load_vs_raw", "compression_ratio")})
+PY
+done
 pairs=("$@"); [ ${#pairs[@]} -gt 0 ] || pairs=("32 4" "64 2" "128 2" "128 8" "256 4" "0 0")
 for pair in "${pairs[@]}"; do
     set -- $pair
