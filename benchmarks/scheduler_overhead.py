@@ -113,7 +113,8 @@ def _transfer_config(config: str, args: argparse.Namespace, work: Path) -> Any:
     if config == "vllm_tiered_fs":
         from benchmarks.vllm_fs_baseline import fs_transfer_config
 
-        return KVTransferConfig(**fs_transfer_config(str(work / "fs"), cpu_bytes=host))
+        return KVTransferConfig(**fs_transfer_config(str(work / "fs"), cpu_bytes=host,
+                                                     **json.loads(args.vllm_offload_config)))
     return None
 
 
@@ -392,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--host-bytes", default="256MiB", help="kvstrata's host tier")
     p.add_argument("--kvstrata-config", default="{}", help="options added to kvstrata's (JSON)")
+    p.add_argument("--vllm-offload-config", default="{}",
+                   help="options added to vLLM's OffloadingConnector's (JSON), e.g. '{\"block_size\": 64}'")
     p.add_argument("--forward-ms", type=float, default=10.0,
                    help="the emulated forward of a step: this long, plus --forward-us-per-token per "
                         "scheduled token (defaults: about an 8B model on one H100)")
@@ -411,12 +414,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must not be negative")
     if args.system_tokens > args.prompt_tokens:
         p.error("--system-tokens must not exceed --prompt-tokens")
-    try:
-        extra = json.loads(args.kvstrata_config)
-    except ValueError as exc:
-        p.error(f"--kvstrata-config is not JSON: {exc}")
-    if not isinstance(extra, dict):
-        p.error("--kvstrata-config must be a JSON object")
+    for flag in ("--kvstrata-config", "--vllm-offload-config"):
+        try:
+            extra = json.loads(getattr(args, flag[2:].replace("-", "_")))
+        except ValueError as exc:
+            p.error(f"{flag} is not JSON: {exc}")
+        if not isinstance(extra, dict):
+            p.error(f"{flag} must be a JSON object")
     if args.num_blocks is not None and args.num_blocks < 1:
         p.error("--num-blocks must be positive")
     if args.num_blocks is None:

@@ -21,6 +21,7 @@ from benchmarks import scheduler_overhead  # noqa: E402
     (["--system-tokens", "9000"], "--system-tokens must not exceed --prompt-tokens"),
     (["--kvstrata-config", "{"], "--kvstrata-config is not JSON"),
     (["--kvstrata-config", "[1]"], "--kvstrata-config must be a JSON object"),
+    (["--vllm-offload-config", "nope"], "--vllm-offload-config is not JSON"),
     (["--num-blocks", "0"], "--num-blocks must be positive"),
 ])
 def test_bad_options_name_what_is_wrong(argv, message, capsys) -> None:
