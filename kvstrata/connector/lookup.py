@@ -191,7 +191,7 @@ class LookupMixin:
         geom = self.layout.groups[0]
         first = local // geom.tokens_per_chunk
         keys = st.groups[geom.index].keys[first:]
-        held = self.hierarchy.holds_many(keys)
+        held = self.hierarchy.holds_many(keys, prefix=True)
         run = next((i for i, h in enumerate(held) if not h), len(held))
         return max(local, (first + run) * geom.tokens_per_chunk)
 

@@ -24,8 +24,9 @@ class TierManager(Protocol):
         promotion (see ``Hierarchy.lookup_many``)."""
         ...
 
-    def holds_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which chunks some tier holds, without promoting, counting or touching anything."""
+    def holds_many(self, keys: Sequence[bytes], *, prefix: bool = False) -> list[bool]:
+        """Which chunks some tier holds, without promoting, counting or touching anything
+        (``prefix``: only a run's held start is asked for, see ``Hierarchy.holds_many``)."""
         ...
 
     def in_flight(self, keys: Sequence[bytes]) -> bool: ...

@@ -304,3 +304,26 @@ def test_promotions_that_do_not_all_fit_take_the_slots_there_are_in_order(env):
     slots = h2.prepare_load(keys[:4])
     assert all(holds(h2.slab, s, k) for s, k in zip(slots, keys[:4], strict=True))
     h2.complete_load(keys[:4])
+
+
+def test_holds_many_of_a_run_asks_the_disk_only_up_to_its_first_miss(env):
+    """Where a deferred lookup's hit will end (the held start of its run) is asked as a prefix
+    lookup asks: not one LMDB probe per chunk of a long prompt at every step it waits."""
+    from kvstrata.tiers.hierarchy.lookup import PREFIX_BATCH
+
+    disk = env.disk()
+    h = env.hier(disk, slots=64)
+    held = PREFIX_BATCH + 3
+    store(h, [key(i) for i in range(held)])
+    eventually(lambda: h.stats()["writes_completed"] == held, "write-behind")
+    h.close()
+    counting = _CountingDisk(disk)
+    h2 = env.hier(counting, slots=64)
+    keys = [key(i) for i in range(1000)]
+    found = h2.holds_many(keys, prefix=True)
+    assert found[:held] == [True] * held and not found[held]
+    assert counting.probed == len(NS) * (PREFIX_BATCH + 4 * PREFIX_BATCH), counting.probed
+    counting.probed = 0
+    assert h2.holds_many(keys) == [True] * held + [False] * (1000 - held)  # every key asked
+    assert counting.probed == len(NS) * 1000
+    assert h2.stats()["promotions_started"] == 0

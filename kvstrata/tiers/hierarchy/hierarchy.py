@@ -173,11 +173,14 @@ class Hierarchy:
         return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
                                    prefix=prefix, protect=protect)
 
-    def holds_many(self, keys: Sequence[bytes]) -> list[bool]:
+    def holds_many(self, keys: Sequence[bytes], *, prefix: bool = False) -> list[bool]:
         """Which chunks some tier holds: the host tier (ready, or on its way in) or a lower tier
         (every shard). Records no access, starts no promotion and counts nothing: for choosing
-        among candidate keys, most never stored, before a lookup of the chosen ones."""
-        return self._lookup.holds(keys)
+        among candidate keys, most never stored, before a lookup of the chosen ones.
+        ``prefix``: the keys are a run and only its held start matters; the lower tiers are
+        asked as a prefix lookup asks them, and keys past the first one no tier holds may
+        answer False."""
+        return self._lookup.holds(keys, prefix)
 
     def promote(self, keys: Sequence[bytes]) -> list[Presence]:
         """Start promotions for chunks only in lower tiers (a lookup without bookkeeping)."""

@@ -35,9 +35,9 @@ class Lookup:
         self.writes = writes
         self.promoter = promoter
 
-    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+    def holds(self, keys: Sequence[bytes], prefix: bool = False) -> list[bool]:
         """Which chunks some tier holds (``Hierarchy.holds_many``): no access recorded, no
-        promotion started, nothing counted."""
+        promotion started, nothing counted. ``prefix``: as ``find``'s."""
         s = self.s
         with s.lock:
             if s.closed:
@@ -45,7 +45,7 @@ class Lookup:
             found = [h != _ABSENT for h in s.pool.lookup_many(keys, touch=False)]
             bad = s.bad
             rest = [i for i, f in enumerate(found) if not f and (not bad or keys[i] not in bad)]
-        for i in self.find(keys, rest, prefix=False) if rest else ():
+        for i in self.find(keys, rest, prefix) if rest else ():
             found[i] = True
         return found
 

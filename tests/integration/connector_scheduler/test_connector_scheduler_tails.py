@@ -223,7 +223,7 @@ def test_tiers_that_held_no_candidate_tail_are_asked_again_only_after_a_while(ru
     sched = r.connector.scheduler
     asked: list[int] = []
     holds = sched.hierarchy.holds_many
-    monkeypatch.setattr(sched.hierarchy, "holds_many", lambda keys: asked.append(len(keys)) or holds(keys))
+    monkeypatch.setattr(sched.hierarchy, "holds_many", lambda keys, **kw: asked.append(len(keys)) or holds(keys, **kw))
     st = sched._reqs[r.add(token_prompt(120), 1).request_id]
     lengths = range(15, 1, -1)
     monkeypatch.setattr(sched_mod, "EXTENSION_RECHECK_S", 3600.0)  # no wall-clock in the test
