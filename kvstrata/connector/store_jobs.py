@@ -58,6 +58,10 @@ class StoreJobsMixin:
             if st is None:
                 continue
             req = st.req
+            if not semantics.completes_prompt(num_prompt_tokens=req.num_prompt_tokens,
+                                              computed_before=req.num_computed_tokens,
+                                              computed_after=req.num_computed_tokens + scheduled):
+                continue  # every other step of the request: no tail to store
             transfers = semantics.plan_prompt_tail_store(
                 self.layout,
                 num_prompt_tokens=req.num_prompt_tokens,
@@ -116,12 +120,18 @@ class StoreJobsMixin:
                 continue
             req = st.req
             offloadable = self._offloadable(st, so)
+            next_stored_chunk = {g: gs.next_stored_chunk for g, gs in st.groups.items()}
+            # Most steps of a request fill no new chunk (decode, a prefill slice short of one):
+            # the full plan runs only where it could offer or advance something.
+            if not semantics.store_pending(self.layout, offloadable=offloadable, finished=req.is_finished(),
+                                           next_stored_chunk=next_stored_chunk):
+                continue
             candidates, next_stored = semantics.plan_store(
                 self.layout,
                 offloadable=offloadable,
                 num_prompt_tokens=req.num_prompt_tokens,
                 finished=req.is_finished(),
-                next_stored_chunk={g: gs.next_stored_chunk for g, gs in st.groups.items()},
+                next_stored_chunk=next_stored_chunk,
                 block_ids={g: gs.block_ids for g, gs in st.groups.items()},
                 keys={g: gs.keys for g, gs in st.groups.items()},
                 prompt_offloadable=semantics.offloadable_tokens(

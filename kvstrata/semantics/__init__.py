@@ -69,8 +69,8 @@ Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
     num_prompt_tokens, hash_tail)``: those keys (the adapter's ``hash_tail`` hashes the partial
     block with vLLM's ``hash_block_tokens``). ``plan_prompt_tail_store(layout, *, num_prompt_tokens,
     computed_before, computed_after, block_ids, tail_keys, max_offload_tokens=None)``: the tail
-    chunk of every group, in the step that completes the prompt. Loads reuse ``plan_load``'s
-    ``tail_keys``.
+    chunk of every group, in the step that completes the prompt (``completes_prompt``). Loads
+    reuse ``plan_load``'s ``tail_keys``.
     ``tail_extension_span(layout, *, hit_end, num_tokens, local_computed, ...) -> (S, lengths)
     | None`` and ``tail_extension_hit(layout, *, complete_hit, local_computed, start,
     candidates, probe, being_loaded=None) -> (hit | None, tail keys | None)``: a stored tail of
@@ -86,6 +86,8 @@ Stores (``store``)
     ``plan_store(layout, *, offloadable, num_prompt_tokens, finished, next_stored_chunk, block_ids,
     keys, prompt_offloadable=None, shared_prefix_boundary=None) -> (candidates, next_stored)``
     (§3.8 D3-D6, R31 reachability for retention None / 0 / > 0, drafter +1, final-segment horizons).
+    ``store_pending(layout, *, offloadable, finished, next_stored_chunk) -> bool``: False only
+    where ``plan_store`` would offer nothing and advance nothing (the adapter's per-step skip).
     ``sliding_reachable_mask``, ``mamba_reachable_mask`` (R31 ports). ``keep_served_tails`` (default True; False = vLLM) also keeps the window tails where drafter-popped and Mamba-rounded replays end (``served_boundaries``): vLLM 0.32.0 serves those replays nothing.
 
 Other deliberate differences: a full-attention group's query range is probed in one batch, so
@@ -125,6 +127,7 @@ from kvstrata.semantics.lookup import (
     worthwhile_hit,
 )
 from kvstrata.semantics.prompt_tail import (
+    completes_prompt,
     plan_answer_tail_store,
     plan_prompt_tail_store,
     prompt_tail_end,
@@ -138,6 +141,7 @@ from kvstrata.semantics.store import (
     plan_store,
     sliding_reachable_mask,
     storable_chunks,
+    store_pending,
 )
 from kvstrata.semantics.tail_extension import tail_extension_hit, tail_extension_span
 from kvstrata.semantics.transfers import (
@@ -159,6 +163,7 @@ __all__ = [
     "cdiv",
     "chunk_keys",
     "chunks_covered",
+    "completes_prompt",
     "first_fresh_block",
     "initial_cap",
     "lookup_hit",
@@ -181,6 +186,7 @@ __all__ = [
     "round_down",
     "sliding_reachable_mask",
     "storable_chunks",
+    "store_pending",
     "tail_extension_hit",
     "tail_extension_span",
     "window_run",

@@ -124,6 +124,12 @@ def prompt_tail_hit(
     return end - local_computed
 
 
+def completes_prompt(*, num_prompt_tokens: int, computed_before: int, computed_after: int) -> bool:
+    """Whether a step taking a request from ``computed_before`` to ``computed_after`` computed
+    tokens completes its prompt: the one step whose forward writes the prompt's tail."""
+    return computed_before < num_prompt_tokens <= computed_after
+
+
 def plan_prompt_tail_store(
     layout: Layout,
     *,
@@ -144,7 +150,8 @@ def plan_prompt_tail_store(
     if (
         tail_keys is None
         or start is None
-        or not computed_before < num_prompt_tokens <= computed_after
+        or not completes_prompt(num_prompt_tokens=num_prompt_tokens, computed_before=computed_before,
+                                computed_after=computed_after)
         or (max_offload_tokens is not None and max_offload_tokens < num_prompt_tokens)
     ):
         return []

@@ -303,6 +303,25 @@ def served_boundaries(layout: Layout, boundaries: Sequence[int]) -> tuple[int, .
     return tuple(out)
 
 
+def store_pending(
+    layout: Layout, *, offloadable: int, finished: bool, next_stored_chunk: Mapping[int, int]
+) -> bool:
+    """Whether ``plan_store`` could offer or advance anything this step; False only where it
+    would return no candidates and every group's ``next_stored_chunk`` unchanged.
+
+    The adapter asks this first for every scheduled request at every step (most steps of a
+    request store nothing: a decode step, a prefill that has not filled a chunk): a running
+    request is due once some group's offloadable chunks pass its scan position; a finished one
+    always is (finish-time promotion and the final segment's rewind, R29/R31).
+    """
+    if finished:
+        return True
+    return any(
+        offloadable // geom.tokens_per_chunk > next_stored_chunk.get(geom.index, 0)
+        for geom in layout.groups
+    )
+
+
 def plan_store(
     layout: Layout,
     *,

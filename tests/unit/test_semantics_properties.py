@@ -34,6 +34,7 @@ from kvstrata.semantics import (
     plan_store,
     round_down,
     storable_chunks,
+    store_pending,
 )
 
 # ----------------------------------------------------------------------------- properties
@@ -220,6 +221,57 @@ def test_property_store_plan_invariants(layout, data):
             assert mine == list(range(next_stored[g.index], n))
     for c in candidates:
         assert c.key == keys[c.group][c.chunk_index]
+
+
+@settings(
+    max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(layouts(), st.sampled_from([None, 0, 1]), st.data())
+def test_property_a_step_store_pending_skips_changes_no_plan(layout, retention, data):
+    """Where ``store_pending`` says a request's step stores nothing (the adapter then skips
+    ``plan_store``), ``plan_store`` offers nothing and moves no scan position: for any layout,
+    retention interval (dense, replay boundary only, per interval), block table (with null
+    blocks), scan positions and boundaries."""
+    if retention == 1:
+        windowed = [g.tokens_per_chunk for g in layout.groups if g.is_windowed] or [1]
+        retention = math.lcm(*windowed) * data.draw(st.integers(1, 3))
+    layout = Layout(layout.groups, retention_interval=retention)
+    prompt = data.draw(st.integers(1, 200))
+    num_tokens = prompt + data.draw(st.integers(0, 50))
+    finished = data.draw(st.booleans())
+    offloadable = data.draw(st.integers(0, num_tokens))
+    keys = keys_of(layout, hashes(num_tokens, layout.tokens_per_hash))
+    blocks = {
+        g.index: [0 if data.draw(st.floats(0, 1)) < 0.2 else 1 + i
+                  for i in range(cdiv(offloadable, g.tokens_per_block))]
+        for g in layout.groups
+    }  # fmt: skip
+    next_stored = {g.index: data.draw(st.integers(0, 8)) for g in layout.groups}
+    candidates, advanced = plan_store(
+        layout, offloadable=offloadable, num_prompt_tokens=prompt, finished=finished,
+        next_stored_chunk=next_stored, block_ids=blocks, keys=keys,
+        prompt_offloadable=data.draw(st.integers(0, prompt)),
+        shared_prefix_boundary=data.draw(st.none() | st.integers(1, num_tokens)),
+    )  # fmt: skip
+    if not store_pending(
+        layout, offloadable=offloadable, finished=finished, next_stored_chunk=next_stored
+    ):
+        assert candidates == []
+        assert advanced == next_stored
+
+
+def test_store_pending_is_false_for_decode_and_unfilled_prefill_steps():
+    """The steps the adapter skips, and the ones it must not."""
+    layout = Layout((fa(0, tpb=4, bpc=2, tph=4),), retention_interval=None)  # 8-token chunks
+    due = lambda off, nxt, fin=False: store_pending(  # noqa: E731
+        layout, offloadable=off, finished=fin, next_stored_chunk={0: nxt}
+    )
+    assert due(8, 0)  # the first chunk filled
+    assert not due(15, 1)  # a prefill step short of the next chunk
+    assert due(16, 1)
+    assert not due(16, 2)  # decode past the stored chunks: offload_prompt_only caps offloadable
+    assert due(16, 2, fin=True)  # a finish always plans (finish-time promotion)
+    assert not due(0, 0)
 
 
 def _lookup_window_exceeds_stored_tail(g: GroupGeometry) -> bool:
