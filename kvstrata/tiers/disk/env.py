@@ -315,6 +315,14 @@ class StoreEnv:
                 self.map_resized += 1
         raise StoreUnavailableError(f"store at {self.path}: map keeps being resized by another process")
 
+    def last_txnid(self) -> int:
+        """The id of the last write transaction committed to the store, by any process. Not a
+        transaction, so outside the gate (probes on the scheduler's path ask it): lmdb.Error if
+        the store closes meanwhile."""
+        if self._closed:
+            raise StoreUnavailableError(f"store at {self.path} is closed")
+        return int(self.env.info()["last_txnid"])
+
     def sync(self) -> None:
         with self._gate.shared():
             if not self._closed:

@@ -30,6 +30,7 @@ import msgspec
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
+from kvstrata.tiers.disk.index_mirror import IndexMirror
 from kvstrata.tiers.disk.reserve import FsReserve
 from kvstrata.tiers.priority import lower_this_thread, name_this_thread
 from kvstrata.tiers.retention import select_victims
@@ -49,7 +50,7 @@ COUNTERS = (
     "put_present", "deletes", "evictions", "evicted_bytes", "admission_drops", "too_large_drops",
     "full_events", "map_resized", "tick_flushes", "sync_errors", "recovery_checked",
     "recovery_dropped", "totals_recounted", "index_unreadable", "quarantined", "forged",
-    "forged_dropped", "reserve_drops", "reserve_freezes",
+    "forged_dropped", "reserve_drops", "reserve_freezes", "mirrored_lookups", "mirror_rebuilds",
 )
 
 
@@ -63,6 +64,11 @@ class Counters:
     def bump(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
+
+    def bump_many(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._counts[name] += n
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -150,6 +156,10 @@ class Writer:
         # transaction committed; called on the writer thread, so it must not wait on the store.
         self.on_removed: Callable[[list[bytes]], None] | None = None
         self._removed: list[bytes] = []  # deleted by the write transaction running now
+        self._added: list[bytes] = []  # put by the write transaction running now
+        # The index's keys in memory, for presence probes that never release the GIL; built on
+        # the writer thread before its first job (tiers/disk/index_mirror.py).
+        self.index_mirror = IndexMirror()
         # Records whose pages may be another record's (records.IN_PLACE): never read, evicted or
         # deleted by this process; `kvstrata verify --repair` rebuilds the store around them.
         self.quarantined: set[bytes] = set()
@@ -180,18 +190,29 @@ class Writer:
         """Run ``fn`` on the writer thread without waiting."""
         self.submit(_CallJob(fn, Future()))
 
-    def write(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False,
+              tracked: bool = True) -> T:
         """``fn(txn)`` in one write transaction on the writer thread; deletions it reports
-        through ``deleted`` reach ``on_removed`` once it commits."""
-        return self.call(lambda: self._write_txn(fn, buffers=buffers))
+        through ``deleted`` reach ``on_removed`` once it commits. ``tracked=False``: ``fn`` may
+        add index records without reporting them (the index mirror is rebuilt after it)."""
+        return self.call(lambda: self._write_txn(fn, buffers=buffers, tracked=tracked))
 
-    def _write_txn(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False) -> T:
+    def _write_txn(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False,
+                   tracked: bool = True) -> T:
+        txnid = -1
+
         def body(txn: lmdb.Transaction) -> T:
-            self._removed = []  # (again when the transaction is retried)
+            nonlocal txnid
+            self._removed, self._added = [], []  # (again when the transaction is retried)
+            txnid = txn.id()
             return fn(txn)
 
-        result = self.env.txn(body, write=True, buffers=buffers)
+        try:
+            result = self.env.txn(body, write=True, buffers=buffers)
+        finally:
+            added, self._added = self._added, []
         removed, self._removed = self._removed, []
+        self._follow(txnid, added, removed, tracked)
         if removed and self.on_removed is not None:
             try:
                 self.on_removed(removed)
@@ -305,6 +326,8 @@ class Writer:
         last_flush = time.monotonic()
         carry: Any = None
         while True:
+            if self.index_mirror.rebuild_due():
+                self._rebuild_mirror()
             job = carry
             carry = None
             if job is None:
@@ -325,6 +348,30 @@ class Writer:
                     self.flush_touches()
                 except Exception:  # ticks are advisory; keep the writer alive
                     log.exception("store at %s: flushing access ticks failed", self.env.path)
+
+    def _follow(self, txnid: int, added: list[bytes], removed: list[bytes], tracked: bool) -> None:
+        """Have the index mirror follow a committed write transaction."""
+        try:
+            last = self.env.last_txnid()
+        except (lmdb.Error, StoreUnavailableError):
+            self.index_mirror.invalidate()
+            return
+        # LMDB commits nothing for a transaction that changed nothing: then the last committed
+        # transaction is still the one before ``txnid`` (and the mirror has nothing to follow).
+        if last < txnid:
+            return
+        if tracked:
+            self.index_mirror.committed(txnid, added, removed)
+        else:
+            self.index_mirror.invalidate()
+
+    def _rebuild_mirror(self) -> None:
+        try:
+            self.env.txn(lambda txn: self.index_mirror.rebuild(txn, self.h.index))
+            self.counts.bump("mirror_rebuilds")
+        except (lmdb.Error, StoreUnavailableError) as exc:  # probes keep asking LMDB
+            log.warning("store at %s: its index could not be mirrored in memory: %s", self.env.path, exc)
+            self.index_mirror.rebuild_failed()
 
     def _fail_queued(self) -> None:
         while True:
@@ -418,6 +465,7 @@ class Writer:
             victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
             outcome.evicted, outcome.evicted_bytes = self.delete(txn, totals, victims)
         rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick, job.mac), totals)
+        self._added.append(job.key)
         self.reserve.wrote(stored)
         outcome.written = True
         return outcome
