@@ -16,6 +16,9 @@ and times per step:
 * ``connector_us``: of those, the time inside the connector's scheduler hooks
   (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
   ``update_connector_output``, ``request_finished``, ``take_events``), summed per step;
+* ``gpu_wait``: what the GPU would have waited for the engine core: with two steps in flight the
+  engine core processes step k-1's output and schedules step k+1 while forward k runs, and the
+  GPU idles by what those take beyond it (steps that waited, total ms, share of forward time);
 * ``worker_us``: the worker-side hooks a model runner calls around its forward
   (``bind_connector_metadata`` .. ``clear_connector_metadata``). Here they include the copies
   themselves (host memory on both sides, synchronous); on a GPU they issue DMA on streams.
@@ -77,6 +80,7 @@ class Timings:
     update: list[float] = field(default_factory=list)
     worker: list[float] = field(default_factory=list)
     connector: list[float] = field(default_factory=list)
+    forward: list[float] = field(default_factory=list)
     idle_steps: int = 0
     hooks: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
@@ -88,7 +92,19 @@ class Timings:
                          ("worker_us", self.worker)):
             out[name] = _stats(xs) if xs else None
         out["connector_hook_s"] = {k: round(v, 4) for k, v in sorted(self.hooks.items())}
+        out["gpu_wait"] = self.gpu_wait()
         return out
+
+    def gpu_wait(self) -> dict[str, float]:
+        """How long the emulated GPU would have waited for the engine core. With two steps in
+        flight (``step_with_batch_queue``), while forward k runs the engine core processes step
+        k-1's output and schedules step k+1; the GPU idles by whatever those take beyond forward
+        k. ``update[k]`` is step k-1's output (processed after forward k here)."""
+        late = [max(0.0, self.update[k] + self.schedule[k + 1] - self.forward[k])
+                for k in range(len(self.forward) - 1)]
+        busy = sum(self.forward)
+        return {"steps": sum(1 for x in late if x > 0), "ms": round(sum(late) * 1e3, 2),
+                "share_of_forward": round(sum(late) / busy, 5) if busy else 0.0}
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -204,7 +220,7 @@ class Engine:
         self._hasher = get_request_block_hasher(args.block_size, sha256)
         self._ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self._unseen: tuple[Any, Any] | None = None
-        self._step_connector = self._step_update = self._step_worker = 0.0
+        self._step_connector = self._step_update = self._step_worker = self._forward_s = 0.0
         self.computed_tokens = 0
         self.finished: list[tuple[str, Any]] = []  # (request id, kv_transfer_params)
         self._next_id = 0
@@ -266,6 +282,7 @@ class Engine:
             self.t.idle_steps += 1
             return
         self.t.schedule.append(schedule_s)
+        self.t.forward.append(self._forward_s)
         self.t.update.append(self._step_update)
         self.t.connector.append(self._step_connector)
         if self.worker is not None:
@@ -278,6 +295,7 @@ class Engine:
         kv_out = None
         forward_s = (self.forward_ms * 1e-3 + self.forward_us_per_token * 1e-6 * so.total_num_scheduled_tokens
                      if so.total_num_scheduled_tokens else 0.0)
+        self._forward_s = forward_s
         if self.worker is None:
             time.sleep(forward_s)
         else:

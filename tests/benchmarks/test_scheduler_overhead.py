@@ -52,3 +52,14 @@ def test_every_configuration_reports_its_figures(capsys) -> None:
     assert mine["engine_core_us_added"].keys() == {"mean", "p50", "p99"}
     assert 0 < mine["computed_tokens_vs_none"] < 1
     assert result["connector_us_mean_vs_vllm_tiered_fs"] > 0
+    for fig in figs.values():
+        assert fig["gpu_wait"].keys() == {"steps", "ms", "share_of_forward"}
+        assert 0 <= fig["gpu_wait"]["steps"] < fig["steps"]
+
+
+def test_the_gpu_waits_for_what_the_engine_core_does_beyond_the_forward() -> None:
+    """Step 1's forward (5 ms) overlaps step 0's output processing (4 ms, recorded with step 1)
+    and step 2's scheduling (3 ms): the GPU waits 2 ms. Step 0's overlaps 0 + 2 ms: no wait."""
+    t = scheduler_overhead.Timings(schedule=[1e-3, 2e-3, 3e-3], update=[0.0, 4e-3, 0.0],
+                                   forward=[5e-3, 5e-3, 5e-3])
+    assert t.gpu_wait() == {"steps": 1, "ms": 2.0, "share_of_forward": round(2 / 15, 5)}
