@@ -17,8 +17,9 @@ import lmdb
 
 from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
+from kvstrata.tiers.disk.counters import Counters
 from kvstrata.tiers.disk.env import StoreUnavailableError
-from kvstrata.tiers.disk.writer import Counters, Writer
+from kvstrata.tiers.disk.writer import Writer
 from kvstrata.tiers.priority import name_this_thread
 
 if TYPE_CHECKING:

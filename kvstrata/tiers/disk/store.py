@@ -32,9 +32,10 @@ from kvstrata.tiers import codec
 from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.codec import parse_mode as parse_codec_mode
+from kvstrata.tiers.disk.counters import Counters
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
-from kvstrata.tiers.disk.writer import Counters, PutJob, Writer, now_us
+from kvstrata.tiers.disk.writer import PutJob, Writer, now_us
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -29,6 +29,7 @@ import msgspec
 
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
+from kvstrata.tiers.disk.counters import Counters
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.index_mirror import IndexMirror
 from kvstrata.tiers.disk.reserve import FsReserve
@@ -44,36 +45,6 @@ _LARGE_VALUE = 256 << 10
 _SMALL_BATCH_BYTES = 1 << 20
 _SMALL_BATCH_COUNT = 64
 _TOUCH_FLUSH_MAX = 4096  # pending access ticks that force an early flush
-
-COUNTERS = (
-    "hits", "misses", "lookups", "corrupt", "corrupt_dropped", "size_mismatch", "puts",
-    "put_present", "deletes", "evictions", "evicted_bytes", "admission_drops", "too_large_drops",
-    "full_events", "map_resized", "tick_flushes", "sync_errors", "recovery_checked",
-    "recovery_dropped", "totals_recounted", "index_unreadable", "quarantined", "forged",
-    "forged_dropped", "reserve_drops", "reserve_freezes", "mirrored_lookups", "mirror_rebuilds",
-)
-
-
-class Counters:
-    """The store's event counters (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(COUNTERS, 0)
-
-    def bump(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    def bump_many(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self._counts[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
 
 @dataclass(slots=True)
 class PutJob:
@@ -350,20 +321,13 @@ class Writer:
                     log.exception("store at %s: flushing access ticks failed", self.env.path)
 
     def _follow(self, txnid: int, added: list[bytes], removed: list[bytes], tracked: bool) -> None:
-        """Have the index mirror follow a committed write transaction."""
+        """Have the index mirror follow write transaction ``txnid``, just committed."""
         try:
             last = self.env.last_txnid()
         except (lmdb.Error, StoreUnavailableError):
             self.index_mirror.invalidate()
             return
-        # LMDB commits nothing for a transaction that changed nothing: then the last committed
-        # transaction is still the one before ``txnid`` (and the mirror has nothing to follow).
-        if last < txnid:
-            return
-        if tracked:
-            self.index_mirror.committed(txnid, added, removed)
-        else:
-            self.index_mirror.invalidate()
+        self.index_mirror.after_commit(txnid, last, added, removed, tracked=tracked)
 
     def _rebuild_mirror(self) -> None:
         try:
