@@ -14,7 +14,7 @@ process's write (a tool importing into a live store, a second engine on the same
 whose changes were not reported (``DiskStore.write`` for the tools), leaves it stale: probes go to
 LMDB as before until the writer thread rebuilds it (at once the first time, then backing off while
 staleness keeps recurring, so that a store another process writes all the time is not rescanned
-over and over). It costs about 65 bytes of memory per stored chunk (a set of 64-bit key hashes: a
+over and over). It costs about 70 bytes of memory per stored chunk (a set of 64-bit key hashes: a
 collision could only answer "present" for an absent key, which a read then counts as a miss).
 """
 
