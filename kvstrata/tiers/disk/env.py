@@ -316,12 +316,13 @@ class StoreEnv:
         raise StoreUnavailableError(f"store at {self.path}: map keeps being resized by another process")
 
     def last_txnid(self) -> int:
-        """The id of the last write transaction committed to the store, by any process. Not a
-        transaction, so outside the gate (probes on the scheduler's path ask it): lmdb.Error if
-        the store closes meanwhile."""
-        if self._closed:
-            raise StoreUnavailableError(f"store at {self.path} is closed")
-        return int(self.env.info()["last_txnid"])
+        """The id of the last write transaction committed to the store, by any process. Inside
+        the gate: ``mdb_env_info`` reads the meta pages through the map, which adopting another
+        process's map size replaces."""
+        with self._gate.shared():
+            if self._closed:
+                raise StoreUnavailableError(f"store at {self.path} is closed")
+            return int(self.env.info()["last_txnid"])
 
     def sync(self) -> None:
         with self._gate.shared():
