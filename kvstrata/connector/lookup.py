@@ -87,7 +87,8 @@ class LookupMixin:
         def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
             keys = list(keys)
             answers = list(self.hierarchy.lookup_many(
-                keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered))
+                keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered,
+                offered=st.offered))
             answered.update(k for k, a in zip(keys, answers, strict=True) if a is Presence.HIT)
             pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
             if self.events is not None and self.events.self_describing:

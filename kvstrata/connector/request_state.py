@@ -39,6 +39,10 @@ class RequestState:
     # keys a lookup of this request found only in a lower tier (promoted), with that tier's
     # name: for per-tier hit attribution
     promoted: dict[bytes, str] = field(default_factory=dict)
+    # Chunks this request's lookups already asked the tiers for: a request waiting to be
+    # scheduled is looked up again every step, and it offers each chunk (disk admission, the
+    # tiers' reuse evidence) once, however often it is looked up.
+    offered: set[bytes] = field(default_factory=set)
     load_keys: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, key)
     lookup_started: float | None = None
     hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)

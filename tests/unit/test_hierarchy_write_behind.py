@@ -41,6 +41,40 @@ def test_admission_after_n_offers(env):
     assert h.stats()["writes_started"] == 1  # written once
 
 
+def test_a_request_looked_up_again_offers_each_chunk_once(env):
+    """Admission counts requests, not lookups: a request waiting to be scheduled is looked up
+    at every step (its ``offered`` set), and only a second request makes the second offer."""
+    disk = env.disk()
+    h = env.hier(disk, admit_after=2)
+    k = key(1)
+    store(h, [k])  # the storing request's offer
+    first: set[bytes] = {k}
+    for _ in range(3):  # the same request, still waiting, looked up again
+        assert h.lookup_many([k], offered=first) == [HIT]
+    assert h.stats()["writes_started"] == 0
+    second: set[bytes] = set()
+    assert h.lookup_many([k], offered=second) == [HIT]  # another request: the second offer
+    assert second == {k}
+    eventually(lambda: on_disk(disk, k), "admitted write")
+
+
+def test_a_request_looked_up_again_is_read_back_evidence_once(env):
+    disk = env.disk()
+    h = env.hier(disk, slots=8, write_reuse_half_life_bytes=1 << 40)
+    keys = [key(i) for i in range(4)]
+    store(h, keys)
+    eventually(lambda: h.stats()["tiers"]["disk"]["writes_completed"] == len(keys), "the writes")
+    offered: set[bytes] = set()
+    assert h.lookup_many(keys[:2], offered=offered) == [HIT, HIT]
+    once = h.stats()["tiers"]["disk"]["write_reuse"]
+    assert once == pytest.approx(0.5, abs=0.01)
+    for _ in range(3):
+        assert h.lookup_many(keys[:2], offered=offered) == [HIT, HIT]
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == once
+    assert h.lookup_many(keys, offered=offered) == [HIT] * 4  # two chunks it had not asked for
+    assert h.stats()["tiers"]["disk"]["write_reuse"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_a_resident_chunk_evicted_from_disk_is_written_again_when_readmitted(env):
     disk = env.disk()
     h = env.hier(disk, admit_after=2)

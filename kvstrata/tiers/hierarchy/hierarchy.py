@@ -158,6 +158,7 @@ class Hierarchy:
         stream: bool = False,
         prefix: bool = False,
         protect: set[bytes] | None = None,
+        offered: set[bytes] | None = None,
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
@@ -168,10 +169,13 @@ class Hierarchy:
         :meth:`prepare_streamed_load`. ``prefix``: the keys are a prefix run (only those before
         the first MISS can be used), so no promotion starts past the first key that no tier
         holds. ``protect``: keys an earlier probe of the same request's lookup answered HIT; a
-        promotion never evicts them (the request is about to load them).
+        promotion never evicts them (the request is about to load them). ``offered``: the keys
+        this request's earlier lookups asked for; they are not offered again (admission to the
+        lower tiers counts requests, not lookups: a waiting request is looked up every step),
+        and this lookup's keys are added.
         """
         return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
-                                   prefix=prefix, protect=protect)
+                                   prefix=prefix, protect=protect, offered=offered)
 
     def holds_many(self, keys: Sequence[bytes], *, prefix: bool = False) -> list[bool]:
         """Which chunks some tier holds: the host tier (ready, or on its way in) or a lower tier

@@ -57,10 +57,14 @@ class Lookup:
         stream: bool = False,
         prefix: bool = False,
         protect: set[bytes] | None = None,
+        offered: set[bytes] | None = None,
     ) -> list[Presence]:
         # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
         s = self.s
         links = s.links
+        # Per key, whether this lookup offers it (admission, reuse evidence, the lower tiers'
+        # access order): not if the same request's earlier lookups did (``offered``).
+        fresh = [k not in offered for k in keys] if offered else [True] * len(keys)
         with s.lock:
             if s.closed:
                 return [_MISS] * len(keys)
@@ -68,7 +72,7 @@ class Lookup:
             states = [_BY_HOST_STATE[h] for h in host]
             # Host hits of chunks a lower tier holds: tell the tier they were used, or its LRU
             # (and max_age_s) would evict first the chunks served most often from the host tier.
-            used = [[k for k, h in zip(keys, host, strict=True) if h == _READY and k in link.resident]
+            used = [[k for k, h, f in zip(keys, host, fresh, strict=True) if f and h == _READY and k in link.resident]
                     if link.resident else [] for link in links]
             streamed = 0  # HIT answers that are promotions in flight (counted as pending)
             if s.promoting and (promoting is not None or stream):
@@ -81,7 +85,7 @@ class Lookup:
                     streamed += len(landing)
             if count_offers and any(link.admit_after > 1 for link in links):
                 admitted = []
-                for k in (k for k, h in zip(keys, host, strict=True) if h == _READY):
+                for k in (k for k, h, f in zip(keys, host, fresh, strict=True) if f and h == _READY):
                     admitted += self.writes.admitted(k, s.offer(k))
                 self.writes.schedule(admitted)
             bad = s.bad
@@ -96,11 +100,13 @@ class Lookup:
         for link, ks in zip(links, used, strict=True):
             if ks:
                 link.tier.touch_many([ns + k for k in ks for ns in self.s.namespaces])
+        if offered is not None:
+            offered.update(keys)
         if not candidates:
             return states
         source = self.find(keys, candidates, prefix)
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
-                                candidates if count_offers else None)
+                                [i for i in candidates if fresh[i]] if count_offers else None)
         return states
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
@@ -223,8 +229,9 @@ class Lookup:
         """A request looked for ``asked`` below the host tier: those a tier holds, and those it
         lost before their write, count as read back from it (``reuse``). Under the lock."""
         s = self.s
+        wanted = set(asked)
         for link in s.links:
-            found = [keys[i] for i, src in source.items() if src is link]
+            found = [keys[i] for i, src in source.items() if src is link and i in wanted]
             if found:
                 link.reuse.read_back(sum(map(s.chunk_bytes, found)))
             if link.reuse.has_lost:

@@ -212,3 +212,33 @@ def test_a_lookup_promotes_nothing_past_the_first_missing_chunk(runners, tmp_pat
     assert second.serve(prompt, 1) == 32
     assert second.connector.scheduler.hierarchy.stats()["promotions_started"] == 2
     assert second.load_errors == []
+
+
+def test_a_request_vllm_looks_up_at_every_step_offers_its_chunks_once(runners) -> None:
+    """Disk admission (``admission: 3``: written once offered three times) counts requests: a
+    request vLLM cannot allocate blocks for is looked up again at every step, and those lookups
+    are one offer, not one per step."""
+    r = runners([G("full", 16)], num_blocks=23, extra={"admission": 3})
+    prompt = token_prompt(64, seed=5)
+    assert r.serve(prompt, 1) == 0  # stored: the first offer of its 4 chunks
+    r.drop_gpu_prefix_cache()
+    scheduler = r.connector.scheduler
+    lookups: dict[str, int] = {}
+    real_lookup = scheduler.get_num_new_matched_tokens
+
+    def counted(request, *args):  # type: ignore[no-untyped-def]
+        lookups[request.request_id] = lookups.get(request.request_id, 0) + 1
+        return real_lookup(request, *args)
+
+    scheduler.get_num_new_matched_tokens = counted  # type: ignore[method-assign]
+    # A long request holds 19-20 of the 22 blocks while it decodes: the prompt's second request
+    # (4 blocks) waits for it, looked up at every step.
+    r.add(token_prompt(288, seed=6), 20)
+    r.step()
+    again = r.add(prompt, 1)
+    r.run_until_idle()
+    assert lookups[again.request_id] >= 3, lookups
+    assert r.loaded_tokens[again.request_id] > 0  # served once it could run
+    assert r.load_errors == []
+    # Two requests offered the chunks (the one that stored them, the one served): not admitted.
+    assert scheduler.hierarchy.stats()["writes_started"] == 0
