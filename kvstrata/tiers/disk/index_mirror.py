@@ -71,8 +71,9 @@ class IndexMirror:
         """The writer's write transaction ``txnid`` ended, and the store's last committed
         transaction is now ``last_txnid``. ``tracked``: ``added``/``removed`` are all it changed
         in the index (else it is followed by a rebuild)."""
-        # LMDB commits nothing for a transaction that changed nothing: the last committed
-        # transaction is then still the one before ``txnid``, and there is nothing to follow.
+        # LMDB commits nothing for a transaction that changed nothing (the writer makes every
+        # tracked one change something, so that another process's commit cannot take its id):
+        # the last committed transaction is then still the one before ``txnid``.
         if last_txnid < txnid:
             return
         if tracked:

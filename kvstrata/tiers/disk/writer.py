@@ -176,7 +176,13 @@ class Writer:
             nonlocal txnid
             self._removed, self._added = [], []  # (again when the transaction is retried)
             txnid = txn.id()
-            return fn(txn)
+            result = fn(txn)
+            if tracked and not self._added and not self._removed:
+                # LMDB commits nothing for a transaction that changed nothing, and another
+                # process's next commit would then take this id: the index mirror could not tell
+                # it from this one. Rewrite the session's marker so that this one commits.
+                txn.put(rec.META_CLEAN, b"0", db=self.h.meta)
+            return result
 
         try:
             result = self.env.txn(body, write=True, buffers=buffers)
