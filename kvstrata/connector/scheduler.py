@@ -16,6 +16,8 @@ import time
 from itertools import chain
 from typing import Any
 
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import BlockHash, generate_block_hash_extra_keys, hash_block_tokens
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
@@ -165,13 +167,6 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
     def _hash_span(self, req: Request, parent: bytes | None, start: int, end: int) -> bytes:
         """vLLM's ``hash_block_tokens`` of the request's tokens ``start:end`` chained to ``parent``
         (the hash ending at ``start``, None at 0), with the extra keys a full block there gets."""
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import (
-            BlockHash,
-            generate_block_hash_extra_keys,
-            hash_block_tokens,
-        )
-
         if self._block_hash_fn is None:
             self._block_hash_fn = get_hash_fn_by_name(self.plan.identity.hash_algo)
         extra, _ = generate_block_hash_extra_keys(req, start, end, 0)
