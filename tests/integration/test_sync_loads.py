@@ -163,8 +163,9 @@ def test_a_disk_hit_after_a_restart_runs_in_one_step_on_cpu(runners, stream: boo
     """After a restart the chunks are on disk only. Streamed (kv_load_failure_policy
     "recompute", the harness's): the lookup answers at once and the worker waits for each chunk
     to land before the forward, so the request computes in the step of its first lookup. Not
-    streamed (what vLLM's default "fail" gets): the lookup waits for the promotions (one
-    deferral), then the load is synchronous."""
+    streamed (what vLLM's default "fail" gets): the lookup waits for the promotions (a deferral
+    per step they take: each empty step waits up to IDLE_WAIT_S for them, one step on an idle
+    machine), then the load is synchronous."""
     base = _prompt(200)
     extra = {"sync_loads": True, "stream_loads": stream}
     first = runners([G("full", 16)], name="persist", extra=extra)
@@ -182,5 +183,8 @@ def test_a_disk_hit_after_a_restart_runs_in_one_step_on_cpu(runners, stream: boo
     assert second.load_errors == [], second.load_errors
     assert second.served[req.request_id] == {"disk": 130}
     assert second.stats.data["sync_loads"] == 1 and second.stats.data["load_failures"] == 0
-    assert second.stats.data["lookup_deferrals"] == (0 if stream else 1)
-    assert steps == (1 if stream else 2), steps
+    deferrals = second.stats.data["lookup_deferrals"]
+    if stream:
+        assert (deferrals, steps) == (0, 1)
+    else:  # every step before the load waited on the promotions; the load's step computed it
+        assert deferrals >= 1 and steps == deferrals + 1, (deferrals, steps)
