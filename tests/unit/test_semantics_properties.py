@@ -189,16 +189,22 @@ def test_property_all_stored_serves_up_to_the_cap(scenario):
             assert local + hit == bound
 
 
+def _draw_store_step(layout, data):
+    """A request's step to plan stores for: its prompt, tokens, whether it finished, how many
+    tokens are offloadable after the step, and its chunk keys per group."""
+    prompt = data.draw(st.integers(1, 200))
+    num_tokens = prompt + data.draw(st.integers(0, 50))
+    finished = data.draw(st.booleans())
+    offloadable = data.draw(st.integers(0, num_tokens))
+    return prompt, num_tokens, finished, offloadable, keys_of(layout, hashes(num_tokens, layout.tokens_per_hash))
+
+
 @settings(
     max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(layouts(), st.data())
 def test_property_store_plan_invariants(layout, data):
-    prompt = data.draw(st.integers(1, 200))
-    num_tokens = prompt + data.draw(st.integers(0, 50))
-    finished = data.draw(st.booleans())
-    offloadable = data.draw(st.integers(0, num_tokens))
-    keys = keys_of(layout, hashes(num_tokens, layout.tokens_per_hash))
+    prompt, num_tokens, finished, offloadable, keys = _draw_store_step(layout, data)
     blocks = {
         g.index: list(range(1, 1 + cdiv(offloadable, g.tokens_per_block))) for g in layout.groups
     }
@@ -236,11 +242,7 @@ def test_property_a_step_store_pending_skips_changes_no_plan(layout, retention, 
         windowed = [g.tokens_per_chunk for g in layout.groups if g.is_windowed] or [1]
         retention = math.lcm(*windowed) * data.draw(st.integers(1, 3))
     layout = Layout(layout.groups, retention_interval=retention)
-    prompt = data.draw(st.integers(1, 200))
-    num_tokens = prompt + data.draw(st.integers(0, 50))
-    finished = data.draw(st.booleans())
-    offloadable = data.draw(st.integers(0, num_tokens))
-    keys = keys_of(layout, hashes(num_tokens, layout.tokens_per_hash))
+    prompt, num_tokens, finished, offloadable, keys = _draw_store_step(layout, data)
     blocks = {
         g.index: [0 if data.draw(st.floats(0, 1)) < 0.2 else 1 + i
                   for i in range(cdiv(offloadable, g.tokens_per_block))]
