@@ -257,19 +257,25 @@ class _CountingDisk(GatedDisk):
         return self.disk.contains_many(keys)
 
 
+def _disk_holding_first_chunks(env, held: int) -> _CountingDisk:
+    """A disk tier holding chunks 0..held-1 (written by an engine since closed), counting the
+    keys it is asked about."""
+    disk = env.disk()
+    h = env.hier(disk, slots=64)
+    store(h, [key(i) for i in range(held)])
+    eventually(lambda: h.stats()["writes_completed"] == held, "write-behind")
+    h.close()
+    return _CountingDisk(disk)
+
+
 def test_a_long_prefix_run_asks_the_disk_about_a_few_chunks_past_its_first_miss(env):
     """A long prompt whose store holds only its first chunks (a shared system prompt): the disk
     is asked about batches growing from PREFIX_BATCH and no further than the batch holding the
     first miss, not about every chunk of the run each time the request is looked up again."""
     from kvstrata.tiers.hierarchy.lookup import PREFIX_BATCH
 
-    disk = env.disk()
-    h = env.hier(disk, slots=64)
     held = PREFIX_BATCH + 3  # the first miss falls in the second batch
-    store(h, [key(i) for i in range(held)])
-    eventually(lambda: h.stats()["writes_completed"] == held, "write-behind")
-    h.close()
-    counting = _CountingDisk(disk)
+    counting = _disk_holding_first_chunks(env, held)
     h2 = env.hier(counting, slots=256)
     keys = [key(i) for i in range(1000)]
     states = h2.lookup_many(keys, prefix=True)
@@ -311,13 +317,8 @@ def test_holds_many_of_a_run_asks_the_disk_only_up_to_its_first_miss(env):
     lookup asks: not one LMDB probe per chunk of a long prompt at every step it waits."""
     from kvstrata.tiers.hierarchy.lookup import PREFIX_BATCH
 
-    disk = env.disk()
-    h = env.hier(disk, slots=64)
     held = PREFIX_BATCH + 3
-    store(h, [key(i) for i in range(held)])
-    eventually(lambda: h.stats()["writes_completed"] == held, "write-behind")
-    h.close()
-    counting = _CountingDisk(disk)
+    counting = _disk_holding_first_chunks(env, held)
     h2 = env.hier(counting, slots=64)
     keys = [key(i) for i in range(1000)]
     found = h2.holds_many(keys, prefix=True)
