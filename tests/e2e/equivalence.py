@@ -146,7 +146,7 @@ def served_tokens(out: dict[str, Any]) -> int:
 @dataclass
 class Verdict:
     prompt_tokens: int
-    cached_tokens: int  # vLLM's num_cached_tokens: its own prefix cache and kvstrata's together
+    cached_tokens: int  # vLLM's num_cached_tokens at scheduling: its own prefix cache, kvstrata's hits, and loads claimed that later failed
     served_by_tier: dict[str, int]  # what kvstrata served, by the tier it came from
     max_delta: float
     problem: str | None  # None: equal to the recomputation
@@ -211,8 +211,8 @@ def summary(verdicts: Sequence[Verdict]) -> str:
     local = sum(v.cached_tokens - v.served_tokens for v in verdicts)
     return (f"cases {len(verdicts)} served-by-kvstrata {len(served)} identical "
             f"{len(verdicts) - len(diverged)} diverged {len(diverged)} (largest |dlogprob| served "
-            f"{worst:.2g}; kvstrata tokens {sum(tiers.values())}: {by_tier}; vLLM's own prefix "
-            f"cache {local} tokens)")
+            f"{worst:.2g}; kvstrata tokens {sum(tiers.values())}: {by_tier}; other cached "
+            f"tokens {local}: vLLM's own prefix cache, or loads that failed and were recomputed)")
 
 
 def divergences(verdicts: Sequence[Verdict]) -> list[str]:

@@ -184,7 +184,12 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
     assert [o["num_cached_tokens"] for o in c["c_x_longer"]["outputs"]] == [2, 128, 200, 258]
     assert metric(c["c_x_longer"], "kvstrata_hit_tokens_remote") == 588, dump(c["c_x_longer"]["metrics"])
     assert metric(c["c_x_longer"], "kvstrata_tail_extensions") == 3, dump(c["c_x_longer"]["metrics"])
-    # The forged values were found under the keys asked for, and not served.
-    assert _cached(c["c_q"]) == 0 and metric(c["c_q"], "kvstrata_hit_tokens") == 0, dump(c["c_q"]["metrics"])
+    # The forged values were found under the keys asked for, and not served. vLLM's cached tokens
+    # are its scheduling-time count: a load that a streamed lookup promised and that then met a
+    # forged value leaves them counted although vLLM recomputed them (and outputs equal
+    # recomputation, checked above). Engine C computed no Q prompt before, so its own prefix
+    # cache has none of them: every cached token of c_q must be such a failed load's.
+    assert metric(c["c_q"], "kvstrata_hit_tokens") == 0, dump(c["c_q"]["metrics"])
+    assert _cached(c["c_q"]) == 0 or metric(c["c_q"], "kvstrata_load_failures") > 0, dump(c["c_q"]["metrics"])
     assert metric(c["c_w"], "kvstrata_remote_forged") > 0, dump(c["c_w"]["metrics"])
     print(f"engines: {time.monotonic() - t0:.0f}s")
