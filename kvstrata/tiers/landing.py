@@ -188,7 +188,7 @@ class LandingWaiter:
         tickets = job.tickets[open_]
         ended = (tickets == 0) | ((seen >> 1) >= tickets)
         if (ended & (tickets > 0) & (seen != tickets << 1)).any():
-            logger.warning("kvstrata: load job %d: a chunk failed to arrive from disk", job.job_id)
+            logger.warning("kvstrata: load job %d: a chunk's promotion from a lower tier failed", job.job_id)
             return False
         for i in open_[ended]:
             if self._copy is not None:
