@@ -109,6 +109,21 @@ def test_prefetch_is_deduplicated_and_bounded(env):
     assert gated.max_active_reads <= 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lookup_naming_a_chunk_twice_promotes_it_once(env, stream):
+    keys = [key(i) for i in range(4)]
+    gated, h2 = _restart_with_stuck_reads(env, keys)
+    asked = [*keys, keys[2], keys[0]]
+    promoting: dict[bytes, str] = {}
+    answer = HIT if stream else PENDING  # a streamed lookup answers HIT for a chunk landing
+    assert h2.lookup_many(asked, promoting, stream=stream) == [answer] * 6
+    assert promoting == dict.fromkeys(keys, "disk")
+    assert h2.stats()["promotions_started"] == 4
+    gated.reads_open.set()
+    eventually(lambda: h2.lookup_many(asked) == [HIT] * 6, "promotions")
+    assert sorted(gated.get_calls) == sorted(ns + k for k in keys for ns in NS)  # once each
+
+
 def test_promotions_in_flight_can_be_awaited(env):
     keys = [key(i) for i in range(4)]
     gated, h2 = _restart_with_stuck_reads(env, keys)

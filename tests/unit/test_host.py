@@ -201,7 +201,7 @@ def test_protected_keys_are_not_evicted(policy):
 
 def test_lru_order_follows_touches():
     evicted: list[bytes] = []
-    pool = HostPool(num_slots=3, policy="lru", on_evict=evicted.append)
+    pool = HostPool(num_slots=3, policy="lru", on_evict=evicted.extend)
     keys = [_key(i) for i in range(3)]
     _fill(pool, keys)
     pool.lookup_many([keys[0]])  # touch: keys[1] is now least recently used
@@ -211,6 +211,26 @@ def test_lru_order_follows_touches():
     _fill(pool, [_key(11)])
     assert evicted == [keys[1], keys[0]]
     assert pool.evictions == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_one_allocation_evicts_its_victims_in_one_call(policy: str):
+    calls: list[list[bytes]] = []
+    pool = HostPool(num_slots=4, policy=policy, on_evict=calls.append)
+    keys = [_key(i) for i in range(4)]
+    slots = _fill(pool, keys)
+    pool.acquire(keys[1])  # pinned: never a victim
+    fresh = [_key(10 + i) for i in range(3)]
+    new_slots = pool.allocate(fresh)
+    assert new_slots is not None and len(calls) == 1
+    assert sorted(calls[0]) == sorted([keys[0], keys[2], keys[3]])
+    assert sorted(new_slots) == sorted(slots[i] for i in (0, 2, 3))  # their slots, reused
+    assert pool.evictions == 3 and keys[1] in pool and not any(k in pool for k in calls[0])
+    pool.release(keys[1])
+    for k in fresh:
+        pool.mark_ready(k)
+        pool.release(k)
+    assert pool.evict_idle() == 4 and sorted(calls[1]) == sorted([keys[1], *fresh]) and len(calls) == 2
 
 
 def test_arc_keeps_frequent_chunks_against_a_scan():

@@ -375,14 +375,18 @@ class Hierarchy:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _on_evict(self, key: bytes) -> None:  # called by the pool, under our lock
-        self._writes.evicted(key)
+    def _on_evict(self, keys: list[bytes]) -> None:  # called by the pool, under our lock
+        self._writes.evicted(keys)
         for link in self._s.links:
-            link.resident.discard(key)
-            link.unwritten.discard(key)
-            link.failed.discard(key)
-            link.failures.pop(key, None)
-        self._s.journal.add(TIER_HOST, True, [key])
+            link.resident.difference_update(keys)
+            if link.unwritten:
+                link.unwritten.difference_update(keys)
+            if link.failed:
+                link.failed.difference_update(keys)
+            if link.failures:
+                for key in keys:
+                    link.failures.pop(key, None)
+        self._s.journal.add(TIER_HOST, True, keys)
 
     def _on_tier_removed(self, link: TierLink, store_keys: list[bytes]) -> None:
         # On the thread that deleted the records (the tier's writer, or a tool's): it takes no

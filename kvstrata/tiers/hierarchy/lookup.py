@@ -167,16 +167,24 @@ class Lookup:
             room = not s.closed
             order = sorted(source)
             slots_of = self._allocate_all(keys, order, states, protect) if room else {}
+            if slots_of:  # every absent chunk got its slot at once (the usual case): one pass
+                answer = _HIT if stream else _PENDING
+                rest = []  # those in the host tier already (a store meanwhile, a duplicate key)
+                for i in order:
+                    key = keys[i]
+                    slot = slots_of.pop(key, None)
+                    if slot is None:
+                        rest.append(i)
+                    else:
+                        items.append((key, slot, source[i]))
+                        states[i] = answer
+                self.promoter.start_many(items)
+                streamed += stream * len(items)
+                if promoting is not None:
+                    promoting.update((key, link.name) for key, _, link in items)
+                order = rest
             for i in order:
                 key = keys[i]
-                slot = slots_of.pop(key, None)
-                if slot is not None:
-                    items.append(self.promoter.start(key, slot, source[i]))
-                    states[i] = _HIT if stream else _PENDING
-                    streamed += stream
-                    if promoting is not None:
-                        promoting[key] = source[i].name
-                    continue
                 st = self.s.pool.lookup_many((key,), touch=False)[0]
                 if st != _ABSENT:  # appeared meanwhile (a store, or a duplicate key)
                     if st == _READY:

@@ -42,6 +42,16 @@ class Promoter:
         link.resident.add(key)
         return key, slot, link
 
+    def start_many(self, items: list[tuple[bytes, int, TierLink]]) -> None:
+        """:meth:`start` for each ``(key, slot, link)`` of ``items`` (a long prompt's run, in
+        one pass), each then handed to :meth:`launch` as it is."""
+        n = self._next_ticket
+        self.s.promoting.update((key, link.name) for key, _, link in items)
+        self.tickets.update(zip((key for key, _, _ in items), range(n, n + len(items)), strict=True))
+        self._next_ticket = n + len(items)
+        for key, _, link in items:
+            link.resident.add(key)
+
     def launch(self, items: list[tuple[bytes, int, TierLink]]) -> None:
         """Under the lock (so that close() cannot slip in between): run these promotions."""
         if items:

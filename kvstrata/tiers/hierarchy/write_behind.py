@@ -194,13 +194,17 @@ class WriteBehind:
             self.s.counts["writes_resumed"] += 1
         return out
 
-    def evicted(self, key: bytes) -> None:
-        """The host tier evicted ``key`` (under the lock): a postponed write of it is lost."""
+    def evicted(self, keys: Sequence[bytes]) -> None:
+        """The host tier evicted ``keys`` (under the lock): a postponed write of one is lost."""
         for link in self.s.links:
-            if link.postponed.pop(key, 0) is None:
-                link.writes["lost"] += 1
-                self.s.counts["writes_lost"] += 1
-                link.reuse.lost(key, self.s.chunk_bytes(key))
+            postponed = link.postponed
+            if not postponed:
+                continue
+            for key in keys:
+                if postponed.pop(key, 0) is None:
+                    link.writes["lost"] += 1
+                    self.s.counts["writes_lost"] += 1
+                    link.reuse.lost(key, self.s.chunk_bytes(key))
 
     def forget(self, link: TierLink, keys: Sequence[bytes]) -> None:
         """The tier removed these chunks: a resident one is written again when admitted next

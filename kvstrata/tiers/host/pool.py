@@ -39,7 +39,7 @@ class HostPool:
         policy: Literal["lru", "arc"] = "lru",
         *,
         num_slots: int | None = None,
-        on_evict: Callable[[bytes], None] | None = None,
+        on_evict: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         if num_slots is None:
             if slab is None:
@@ -129,8 +129,7 @@ class HostPool:
             victims = self._policy.victims(need, protected)
             if victims is None:
                 return None
-            for key in victims:
-                self._evict(key)
+            self._evict(victims)
         slots = []
         for key in keys:
             entry = Entry(self._free.pop())
@@ -175,21 +174,31 @@ class HostPool:
     def evict_idle(self) -> int:
         """Evict every ready, unreferenced entry (prefix-cache reset). Returns how many."""
         victims = [key for key, entry in self._policy if evictable(entry)]
-        for key in victims:
-            self._evict(key)
+        if victims:
+            self._evict(victims)
         return len(victims)
 
-    def _evict(self, key: bytes) -> None:
+    def _evict(self, keys: list[bytes]) -> None:
+        """Evict these idle entries; ``on_evict`` hears of them in one call (a long prompt's
+        promotion evicts hundreds of chunks in one allocation, on the scheduler's path)."""
         policy = self._policy
-        from_t1 = isinstance(policy, ARC) and key in policy.t1
-        entry = policy.remove(key)
-        assert entry is not None and evictable(entry)
+        free = self._free
         if isinstance(policy, ARC):
-            policy.evicted(key, from_t1)
-        self._free.append(entry.slot)
-        self.evictions += 1
+            for key in keys:
+                from_t1 = key in policy.t1
+                entry = policy.remove(key)
+                assert entry is not None and evictable(entry)
+                policy.evicted(key, from_t1)
+                free.append(entry.slot)
+        else:
+            remove = policy.remove
+            for key in keys:
+                entry = remove(key)
+                assert entry is not None and evictable(entry)
+                free.append(entry.slot)
+        self.evictions += len(keys)
         if self.on_evict is not None:
-            self.on_evict(key)
+            self.on_evict(keys)
 
     def _entry(self, key: bytes) -> Entry:
         entry = self._policy.get(key)
