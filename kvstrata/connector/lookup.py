@@ -86,9 +86,10 @@ class LookupMixin:
 
         def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
             keys = list(keys)
+            # Promotions launch at the end of the step's scheduling (``build_connector_meta``).
             answers = list(self.hierarchy.lookup_many(
                 keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered,
-                offered=st.offered))
+                offered=st.offered, defer_promotions=True))
             answered.update(k for k, a in zip(keys, answers, strict=True) if a is Presence.HIT)
             pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
             if self.events is not None and self.events.self_describing:

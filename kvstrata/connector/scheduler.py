@@ -210,6 +210,9 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             if not st.jobs:
                 del self._reqs[req_id]
         self._loads, self._flush, self._allocated = [], set(), set()
+        # vLLM's scheduling of this step is done: the reads this step's lookups started run
+        # now, beside the forward rather than inside the scheduler's critical path.
+        self.hierarchy.launch_deferred_promotions()
         if (self._awaiting or self._streaming) and not meta.loads and not so.total_num_scheduled_tokens:
             self._idle_wait()
         return meta

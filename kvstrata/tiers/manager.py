@@ -19,9 +19,14 @@ class TierManager(Protocol):
 
     def lookup_many(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None = None, *,
                     stream: bool = False, prefix: bool = False,
-                    protect: set[bytes] | None = None, offered: set[bytes] | None = None) -> list[Presence]:
+                    protect: set[bytes] | None = None, offered: set[bytes] | None = None,
+                    defer_promotions: bool = False) -> list[Presence]:
         """HIT / PENDING / MISS per chunk key; chunks only in a lower tier start their
         promotion (see ``Hierarchy.lookup_many``)."""
+        ...
+
+    def launch_deferred_promotions(self) -> None:
+        """Run the promotions held by lookups with ``defer_promotions``."""
         ...
 
     def holds_many(self, keys: Sequence[bytes], *, prefix: bool = False) -> list[bool]:

@@ -156,6 +156,32 @@ def test_close_wakes_promotion_waiters(env):
         closer.join()
 
 
+@pytest.mark.parametrize("then", ["launch", "wait", "close"])
+def test_deferred_promotions_read_only_once_launched(env, then):
+    """A lookup with ``defer_promotions`` answers and accounts its promotions at once but reads
+    nothing until they are launched: explicitly (the connector, once vLLM scheduled the step),
+    by a wait for them (never a wait on a read that is not running), or by a close."""
+    keys = [key(i) for i in range(4)]
+    gated, h2 = _restart_with_stuck_reads(env, keys)
+    gated.reads_open.set()  # a launched read completes at once
+    promoting: dict[bytes, str] = {}
+    assert h2.lookup_many(keys, promoting, defer_promotions=True) == [PENDING] * 4
+    assert promoting == dict.fromkeys(keys, "disk") and h2.in_flight(keys)
+    assert h2.lookup_many(keys, defer_promotions=True) == [PENDING] * 4  # held, not started twice
+    assert h2.stats()["promotions_started"] == 4
+    time.sleep(0.1)
+    assert gated.get_calls == []
+    if then == "launch":
+        h2.launch_deferred_promotions()
+        eventually(lambda: h2.lookup_many(keys) == [HIT] * 4, "promotions")
+    elif then == "wait":
+        assert h2.wait_promotions(keys, DEADLINE_S) and h2.lookup_many(keys) == [HIT] * 4
+    else:
+        h2.close(timeout=DEADLINE_S)
+        assert h2.wait_promotions(keys, 0.0)  # nothing left to wait for
+    assert sorted(gated.get_calls) == sorted(ns + k for k in keys for ns in NS)  # once each
+
+
 def _stored_one_by_one(env, keys: list[bytes]) -> DiskStore:
     """``keys`` written to a store in this order, each with a later access tick."""
     disk = env.disk()

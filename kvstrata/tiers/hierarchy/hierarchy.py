@@ -159,6 +159,7 @@ class Hierarchy:
         prefix: bool = False,
         protect: set[bytes] | None = None,
         offered: set[bytes] | None = None,
+        defer_promotions: bool = False,
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
@@ -172,10 +173,23 @@ class Hierarchy:
         promotion never evicts them (the request is about to load them). ``offered``: the keys
         this request's earlier lookups asked for; they are not offered again (admission to the
         lower tiers counts requests, not lookups: a waiting request is looked up every step),
-        and this lookup's keys are added.
+        and this lookup's keys are added. ``defer_promotions``: the promotions this lookup
+        starts are answered for and accounted as started, but their reads are held until
+        :meth:`launch_deferred_promotions` (or a wait for promotions): the scheduler-side
+        connector launches them once vLLM's scheduling of the step is done, so that their
+        Python work (the I/O loop, the read threads) does not take the GIL from vLLM's
+        scheduler mid-step (docs/BENCHMARKS.md, "Promotions launched after the step's
+        scheduling").
         """
         return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
-                                   prefix=prefix, protect=protect, offered=offered)
+                                   prefix=prefix, protect=protect, offered=offered, defer=defer_promotions)
+
+    def launch_deferred_promotions(self) -> None:
+        """Run the promotions lookups held with ``defer_promotions``."""
+        s = self._s
+        with s.lock:
+            if not s.closed:
+                self._promoter.launch_deferred()
 
     def holds_many(self, keys: Sequence[bytes], *, prefix: bool = False) -> list[bool]:
         """Which chunks some tier holds: the host tier (ready, or on its way in) or a lower tier
@@ -203,6 +217,7 @@ class Hierarchy:
     def wait_promotions(self, keys: Sequence[bytes], timeout: float | None) -> bool:
         """Block until none of ``keys`` is being promoted, at most ``timeout`` seconds; True
         when none is. For an engine step that has nothing else to do."""
+        self.launch_deferred_promotions()  # never wait for a read that is not running
         s = self._s
         with s.landed:
             return s.landed.wait_for(lambda: s.closed or s.promoting.keys().isdisjoint(keys), timeout)
@@ -354,6 +369,7 @@ class Hierarchy:
             if flush_unwritten and (n := self._writes.flush_unwritten()):
                 logger.info("kvstrata: writing %d chunk(s) the write-behind had dropped or failed to "
                             "write before closing", n)
+            self._promoter.launch_deferred()  # ended as any promotion in flight at a close
             s.closed = True
             s.landed.notify_all()
         drained = True

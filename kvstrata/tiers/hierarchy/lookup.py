@@ -58,6 +58,7 @@ class Lookup:
         prefix: bool = False,
         protect: set[bytes] | None = None,
         offered: set[bytes] | None = None,
+        defer: bool = False,
     ) -> list[Presence]:
         # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
         s = self.s
@@ -106,7 +107,7 @@ class Lookup:
             return states
         source = self.find(keys, candidates, prefix)
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
-                                [i for i in candidates if fresh[i]] if count_offers else None)
+                                [i for i in candidates if fresh[i]] if count_offers else None, defer)
         return states
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
@@ -155,9 +156,10 @@ class Lookup:
 
     def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
                           streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
-                          protect: set[bytes] | None, asked: list[int] | None) -> None:
+                          protect: set[bytes] | None, asked: list[int] | None, defer: bool = False) -> None:
         """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
-        the tiers' reuse evidence (None: a promotion that is no request's)."""
+        the tiers' reuse evidence (None: a promotion that is no request's). ``defer``: the
+        reads are held until ``Promoter.launch_deferred``."""
         s = self.s
         items = []
         with s.lock:
@@ -214,7 +216,7 @@ class Lookup:
                 streamed += stream
                 if promoting is not None:
                     promoting[key] = source[i].name
-            self.promoter.launch(items)
+            self.promoter.launch(items, defer)
             self._count(states, streamed)
 
     def _allocate_all(self, keys: Sequence[bytes], order: list[int], states: list[Presence],

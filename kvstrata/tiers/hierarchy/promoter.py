@@ -31,6 +31,7 @@ class Promoter:
         self.tickets: dict[bytes, int] = {}
         self._next_ticket = 1
         self.dead_pins: dict[bytes, int] = {}
+        self._deferred: list[tuple[bytes, int, TierLink]] = []  # started, not yet launched
         shared.slab.landed[:] = 0  # tickets of an earlier engine on a reused slab file mean nothing
 
     def start(self, key: bytes, slot: int, link: TierLink) -> tuple[bytes, int, TierLink]:
@@ -52,10 +53,20 @@ class Promoter:
         for key, _, link in items:
             link.resident.add(key)
 
-    def launch(self, items: list[tuple[bytes, int, TierLink]]) -> None:
-        """Under the lock (so that close() cannot slip in between): run these promotions."""
+    def launch(self, items: list[tuple[bytes, int, TierLink]], defer: bool = False) -> None:
+        """Under the lock (so that close() cannot slip in between): run these promotions, or
+        with ``defer`` hold them until :meth:`launch_deferred`."""
         if items:
             self.s.counts["promotions_started"] += len(items)
+            if defer:
+                self._deferred.extend(items)
+            else:
+                self.pipe.call_soon(self._start, items)
+
+    def launch_deferred(self) -> None:
+        """Under the lock: run the promotions held by ``launch(defer=True)``."""
+        if self._deferred:
+            items, self._deferred = self._deferred, []
             self.pipe.call_soon(self._start, items)
 
     def _start(self, items: list[tuple[bytes, int, TierLink]]) -> None:

@@ -242,3 +242,49 @@ def test_a_request_vllm_looks_up_at_every_step_offers_its_chunks_once(runners) -
     assert r.load_errors == []
     # Two requests offered the chunks (the one that stored them, the one served): not admitted.
     assert scheduler.hierarchy.stats()["writes_started"] == 0
+
+
+def test_a_lookup_s_promotions_read_once_the_step_is_scheduled(runners, tmp_path: Path, monkeypatch) -> None:
+    """The disk reads a lookup starts run once vLLM has scheduled the step (from
+    ``build_connector_meta``), not while its scheduler still runs: their Python work would take
+    the GIL from it (docs/BENCHMARKS.md, "Promotions launched after the step's scheduling")."""
+    import time
+
+    from kvstrata.tiers.disk import DiskStore
+
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(token_prompt(96), 1)
+    first.close()
+    second = runners([G("full", 16)], store=store)
+    reads: list[float] = []
+    real_get_into = DiskStore.get_into
+
+    def recorded_get_into(self, key, out):
+        reads.append(time.monotonic())
+        return real_get_into(self, key, out)
+
+    monkeypatch.setattr(DiskStore, "get_into", recorded_get_into)
+    hierarchy = second.connector.scheduler.hierarchy
+    reads_by_lookup_end: list[int] = []
+    real_lookup = hierarchy.lookup_many
+
+    def lookup_then_wait(keys, promoting=None, **kw):
+        answers = real_lookup(keys, promoting, **kw)
+        time.sleep(0.1)  # a read launched now would have begun meanwhile
+        reads_by_lookup_end.append(len(reads))
+        return answers
+
+    monkeypatch.setattr(hierarchy, "lookup_many", lookup_then_wait)
+    launched: list[int] = []
+    real_launch = hierarchy.launch_deferred_promotions
+    monkeypatch.setattr(hierarchy, "launch_deferred_promotions",
+                        lambda: launched.append(len(reads)) or real_launch())
+    req = second.add(token_prompt(96), 1)
+    second.step()
+    assert hierarchy.stats()["promotions_started"] == 6
+    assert reads_by_lookup_end and set(reads_by_lookup_end) == {0}, reads_by_lookup_end
+    assert launched and launched[0] == 0
+    second.run_until_idle()
+    assert second.loaded_tokens[req.request_id] == 96 and second.load_errors == []
+    assert len(reads) >= 6 and second.stats.data["hit_tokens_disk"] == 96
