@@ -252,7 +252,9 @@ class LookupMixin:
         load_start: dict[int, int] = {}
         for geom in self.layout.groups:
             group_blocks = blocks.blocks[geom.index]
-            self._allocated.update(b.block_id for b in group_blocks if b.block_id != 0)
+            ids = [b.block_id for b in group_blocks]
+            self._allocated.update(ids)
+            self._allocated.discard(0)  # the null block
             n_gpu = -(-cached // geom.tokens_per_block)
             first_fresh = -(-st.num_local // geom.tokens_per_block)
             # Scan from the local boundary: sparse groups (Mamba, SW) legitimately hold non-null
@@ -265,7 +267,7 @@ class LookupMixin:
                     start = i
                     break
             load_start[geom.index] = start
-            block_ids[geom.index] = [b.block_id for b in group_blocks[:n_gpu]]
+            block_ids[geom.index] = ids[:n_gpu]
         tail_keys: Mapping[int, bytes] | None = None
         boundary, st.partial_boundary = st.partial_boundary, None
         tail_start = semantics.prompt_tail_start(self.layout, request.num_prompt_tokens)
@@ -303,10 +305,11 @@ class LookupMixin:
             ChunkCopy(t.group, slot, t.first_block_in_chunk, tuple(t.block_ids), ticket)
             for t, (slot, ticket) in zip(transfers, placed, strict=True)
         ]
+        tpc_of = {g.index: g.tokens_per_chunk for g in self.layout.groups}
         st.load_keys = [
-            (t.chunk_index * g.tokens_per_chunk, min(cached, (t.chunk_index + 1) * g.tokens_per_chunk), t.key)
+            (t.chunk_index * tpc, min(cached, (t.chunk_index + 1) * tpc), t.key)
             for t in transfers
-            for g in (self._geom(t.group),)
+            for tpc in (tpc_of[t.group],)
         ]
         lower_tokens = self._attribute_hit(st, num_external)
         # Chunks now covered by the load are not offered again (CHUNK_LEVEL policy, R32). A hit
