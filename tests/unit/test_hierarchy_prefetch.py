@@ -124,6 +124,40 @@ def test_a_lookup_naming_a_chunk_twice_promotes_it_once(env, stream):
     assert sorted(gated.get_calls) == sorted(ns + k for k in keys for ns in NS)  # once each
 
 
+class _OneStuckRead(GatedDisk):
+    """Reads of every shard of ``stuck`` block until ``release`` is set; others run."""
+
+    def __init__(self, disk: DiskStore, stuck: bytes) -> None:
+        super().__init__(disk)
+        self.stuck = stuck
+        self.release = threading.Event()
+
+    def get_into(self, k, out):
+        if k.endswith(self.stuck):
+            assert self.release.wait(DEADLINE_S)
+        return super().get_into(k, out)
+
+
+def test_a_long_run_lands_chunk_by_chunk_within_bounded_reads(env):
+    """A 40-chunk promotion runs as a few read jobs (``Promoter._start``); each chunk still lands
+    as soon as it is read (a streamed load copies it then), the reads in flight stay within
+    ``max_concurrent_reads``, and each chunk is read once."""
+    keys = [key(i) for i in range(40)]
+    disk = env.disk()
+    h = env.hier(disk, slots=64)
+    store(h, keys)
+    h.close()
+    stuck = _OneStuckRead(disk, keys[5])
+    h2 = env.hier(stuck, slots=64, max_concurrent_reads=2, read_threads=2)
+    assert h2.lookup_many(keys) == [PENDING] * 40
+    eventually(lambda: h2.lookup_many(keys[:5]) == [HIT] * 5, "the chunks read before the stuck one")
+    assert h2.lookup_many(keys[5:6]) == [PENDING]
+    stuck.release.set()
+    eventually(lambda: h2.lookup_many(keys) == [HIT] * 40, "promotions")
+    assert stuck.max_active_reads <= 2
+    assert sorted(stuck.get_calls) == sorted(ns + k for k in keys for ns in NS)  # once each
+
+
 def test_promotions_in_flight_can_be_awaited(env):
     keys = [key(i) for i in range(4)]
     gated, h2 = _restart_with_stuck_reads(env, keys)

@@ -1,7 +1,8 @@
 """Promotions: a chunk found only in a lower tier is read into a host slot in the background.
 
-At most ``max_concurrent_reads`` run at a time and a chunk is fetched once however often it is
-asked for. Each promotion gets a ticket; when it ends, the slab's landing board gets
+At most ``max_concurrent_reads`` read jobs run at a time, each reading up to
+``MAX_CHUNKS_PER_READ`` chunks of one tier in turn and landing each as soon as it is read, and a
+chunk is fetched once however often it is asked for. Each promotion gets a ticket; when it ends, the slab's landing board gets
 ``ticket << 1 | failed`` for its slot, so a streamed load (a worker copying the slot before the
 promotion was known to have landed) copies only after reading its own ticket there. A failed
 or corrupt read makes the chunk a MISS (counted), never an exception, and its pins are recorded
@@ -19,6 +20,8 @@ from kvstrata.tiers.hierarchy.write_behind import WriteBehind
 from kvstrata.tiers.host import board_fence
 
 logger = logging.getLogger(__name__)
+
+MAX_CHUNKS_PER_READ = 16  # chunks per read job (``Promoter._start``)
 
 
 class Promoter:
@@ -70,12 +73,31 @@ class Promoter:
             self.pipe.call_soon(self._start, items)
 
     def _start(self, items: list[tuple[bytes, int, TierLink]]) -> None:
-        for key, slot, link in items:
-            self.pipe.spawn(self._promote(key, slot, link))
+        """On the loop thread: the promotions as read jobs of up to ``MAX_CHUNKS_PER_READ``
+        chunks of one tier, spread over ``max_concurrent_reads`` (a long prompt's run is a few
+        tasks and executor round trips, not one per chunk: the loop's Python work takes the GIL
+        from vLLM's scheduler)."""
+        runs: dict[str, list[tuple[bytes, int, TierLink]]] = {}
+        for item in items:
+            runs.setdefault(item[2].name, []).append(item)
+        for run in runs.values():
+            size = max(1, min(MAX_CHUNKS_PER_READ, -(-len(run) // self.pipe.max_concurrent_reads)))
+            for i in range(0, len(run), size):
+                self.pipe.spawn(self._promote(run[i:i + size]))
 
-    async def _promote(self, key: bytes, slot: int, link: TierLink) -> None:
+    async def _promote(self, batch: list[tuple[bytes, int, TierLink]]) -> None:
         async with self.pipe.read_sem:
-            ok = await self.pipe.loop.run_in_executor(link.read_pool, self._read, key, slot, link)
+            await self.pipe.loop.run_in_executor(batch[0][2].read_pool, self._read_batch, batch)
+
+    def _read_batch(self, batch: list[tuple[bytes, int, TierLink]]) -> None:
+        """On a read thread: each chunk in turn, handed to the loop thread as soon as it is
+        read (a streamed load copies it then), in order, before the job ends."""
+        for key, slot, link in batch:
+            ok = self._read(key, slot, link)
+            self.pipe.call_soon(self._land, key, slot, link, ok)
+
+    def _land(self, key: bytes, slot: int, link: TierLink, ok: bool) -> None:
+        """On the loop thread: a chunk read (``ok``) or failed."""
         s = self.s
         writes = []
         with s.lock:
