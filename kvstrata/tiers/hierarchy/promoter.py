@@ -3,11 +3,12 @@
 At most ``max_concurrent_reads`` read jobs run at a time, each reading up to
 ``MAX_CHUNKS_PER_READ`` chunks of one tier in turn and landing each as soon as it is read, and a
 chunk is fetched once however often it is asked for. Each promotion gets a ticket; when it ends,
-the slab's landing board gets ``ticket << 1 | failed`` for its slot, so a streamed load (a worker copying the slot before the
-promotion was known to have landed) copies only after reading its own ticket there. A failed
-or corrupt read makes the chunk a MISS (counted), never an exception, and its pins are recorded
-so that their release does not touch the key's next entry. A chunk promoted from one tier is
-written back into the tiers above it (a chunk found only remotely is kept on the local disk).
+the slab's landing board gets ``ticket << 1 | failed`` for its slot, so a streamed load (a worker
+copying the slot before the promotion was known to have landed) copies only after reading its own
+ticket there. A failed or corrupt read makes the chunk a MISS (counted), never an exception, and
+its pins are recorded so that their release does not touch the key's next entry. A chunk promoted
+from one tier is written back into the tiers above it (a chunk found only remotely is kept on the
+local disk).
 """
 
 from __future__ import annotations
