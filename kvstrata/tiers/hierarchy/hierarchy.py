@@ -186,6 +186,8 @@ class Hierarchy:
 
     def launch_deferred_promotions(self) -> None:
         """Run the promotions lookups held with ``defer_promotions``."""
+        if not self._promoter.deferred:  # most steps: nothing held, no lock taken
+            return
         s = self._s
         with s.lock:
             if not s.closed:

@@ -67,6 +67,12 @@ class Promoter:
             else:
                 self.pipe.call_soon(self._start, items)
 
+    @property
+    def deferred(self) -> bool:
+        """Whether ``launch(defer=True)`` holds promotions. Read without the lock: only the
+        scheduler's thread defers them, so a stale False there means none of its own."""
+        return bool(self._deferred)
+
     def launch_deferred(self) -> None:
         """Under the lock: run the promotions held by ``launch(defer=True)``."""
         if self._deferred:
