@@ -41,11 +41,9 @@ class Promoter:
     def start(self, key: bytes, slot: int, link: TierLink) -> tuple[bytes, int, TierLink]:
         """Under the lock: ``key`` now has a host slot and is on its way from ``link``'s tier;
         returns the promotion to hand to :meth:`launch` (still under the lock)."""
-        self.s.promoting[key] = link.name
-        self.tickets[key] = self._next_ticket
-        self._next_ticket += 1
-        link.resident.add(key)
-        return key, slot, link
+        item = (key, slot, link)
+        self.start_many([item])
+        return item
 
     def start_many(self, items: list[tuple[bytes, int, TierLink]]) -> None:
         """:meth:`start` for each ``(key, slot, link)`` of ``items`` (a long prompt's run, in
