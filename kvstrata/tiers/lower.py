@@ -40,6 +40,11 @@ class LowerTier(Protocol):
         rather than raising when the tier is full or unavailable."""
         ...
 
+    def put_many_then(self, entries: Sequence[tuple[bytes, Buffer, str]], done: Callable[[int], None]) -> None:
+        """``put_many`` that may return before the entries are stored: ``done(stored)`` is
+        called once, when they are, on whichever thread finished them (it must not block)."""
+        ...
+
     def delete_many(self, keys: Sequence[bytes]) -> int:
         ...
 

@@ -99,11 +99,11 @@ class GatedDisk:
             with self._lock:
                 self.active_reads -= 1
 
-    def put_many(self, entries):
+    def put_many_then(self, entries, done):
         with self._lock:
             self.put_calls += 1
         assert self.writes_open.wait(DEADLINE_S)
-        return self.disk.put_many(entries)
+        self.disk.put_many_then(entries, done)
 
 
 def store(h: Hierarchy, keys: list[bytes]) -> dict[bytes, int]:

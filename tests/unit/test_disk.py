@@ -95,6 +95,40 @@ def test_put_get_contains_delete_iter(tmp_path: Path) -> None:
         assert (stats["hits"], stats["misses"], stats["deletes"]) == (6, 1, 2)
 
 
+def test_put_many_then_reports_once_on_the_writer_thread_after_the_commit(tmp_path: Path) -> None:
+    """``put_many_then`` returns before the writer commits; ``done`` gets the count, stored keys
+    included, once every entry is written, from the writer thread (in the caller's thread when
+    nothing was left to write); a closed store reports what it did not take."""
+    import threading
+
+    store = open_store(tmp_path / "s")
+    calls: list[tuple[int, str, bool]] = []
+    reported = threading.Event()
+
+    def done(n: int) -> None:
+        keys = [key(i) for i in range(4)]
+        calls.append((n, threading.current_thread().name, all(store.contains_many(keys)[:n])))
+        reported.set()
+
+    store.put_many([(key(0), payload(0), "float16")])
+    store.put_many_then([(key(i), payload(i), "float16") for i in range(4)], done)
+    assert reported.wait(30)
+    time.sleep(0.05)  # a second report would come from the writer thread about now
+    assert len(calls) == 1
+    n, thread, visible = calls[0]
+    assert n == 4 and visible and thread != threading.current_thread().name
+    for i in range(4):
+        assert read(store, key(i), len(payload(i))) == payload(i)
+
+    calls.clear()
+    store.put_many_then([(key(1), payload(1), "float16")], done)  # already stored: reported here
+    assert calls == [(1, threading.current_thread().name, True)]
+    store.close()
+    calls.clear()
+    store.put_many_then([(key(9), payload(9), "float16")], done)
+    assert [c[0] for c in calls] == [0]
+
+
 _unique = itertools.count()
 
 

@@ -211,9 +211,9 @@ def test_write_backpressure_is_per_tier(make) -> None:
     class Stuck(FarTier):
         gate = threading.Event()
 
-        def put_many(self, entries):
+        def put_many_then(self, entries, done):
             assert self.gate.wait(30)
-            return super().put_many(entries)
+            super().put_many_then(entries, done)
 
     near, far = make.store("near"), make.store("far", Stuck)
     # One write in flight and two deferred per tier: the fourth chunk is postponed in each.
@@ -250,9 +250,9 @@ def test_writes_run_at_idle_priority_and_reads_do_not(make) -> None:
     seen: dict[str, set[int | None]] = {"put": set(), "get": set()}
 
     class Watched(DiskStore):
-        def put_many(self, entries):
+        def put_many_then(self, entries, done):
             seen["put"].add(thread_policy())
-            return super().put_many(entries)
+            super().put_many_then(entries, done)
 
         def get_into(self, key, out):
             seen["get"].add(thread_policy())

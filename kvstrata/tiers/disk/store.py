@@ -340,8 +340,37 @@ class DiskStore:
         overlaps the writer thread's puts. A full map or disk, or an entry larger than the
         budget, drops entries and counts them; it never raises for those.
         """
+        present, futures = self._submit_puts(entries)
+        return present + sum(1 for fut in futures if fut.result())
+
+    def put_many_then(self, entries: Sequence[tuple[bytes, Buffer, str]], done: Callable[[int], None]) -> None:
+        """``put_many`` without waiting for the writer: compresses in the calling thread, then
+        returns; ``done(stored)`` is called once every entry is committed or dropped, on the
+        writer thread (in this thread when nothing had to be written). So an idle-priority
+        caller, which a busy CPU may not run again for a second, does not hold up the report
+        of a committed write (docs/BENCHMARKS.md, "A write is reported when it commits")."""
+        present, futures = self._submit_puts(entries)
+        if not futures:
+            done(present)
+            return
+        lock = threading.Lock()
+        left = [len(futures)]
+
+        def one_done(_fut: Future[bool]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            done(present + sum(1 for fut in futures if fut.result()))
+
+        for fut in futures:
+            fut.add_done_callback(one_done)
+
+    def _submit_puts(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> tuple[int, list[Future[bool]]]:
+        """Compress the entries not stored yet and queue them for the writer: (entries already
+        stored, the queued puts' futures)."""
         if not entries:
-            return 0
+            return 0, []
         for key, data, dtype in entries:  # ValueError for bad input before any work
             self._check_key(key)
             if memoryview(data).nbytes % codec.itemsize(dtype):
@@ -349,12 +378,12 @@ class DiskStore:
         writer = self._writer
         if writer is None or not writer.open or not writer.admission_open():
             self._counts.bump("admission_drops", len(entries))
-            return 0
+            return 0, []
         try:
             present = self._env.txn(lambda txn: self._probe(txn, [key for key, _, _ in entries]), buffers=True)
         except (StoreUnavailableError, lmdb.Error):
             self._counts.bump("admission_drops", len(entries))
-            return 0
+            return 0, []
         stored = 0
         futures: list[Future[bool]] = []
         for (key, data, dtype), here in zip(entries, present, strict=True):
@@ -370,7 +399,7 @@ class DiskStore:
                 continue
             futures.append(job.future)
         self._counts.bump("put_present", stored)
-        return stored + sum(1 for fut in futures if fut.result())
+        return stored, futures
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete keys; returns how many were stored."""

@@ -284,8 +284,10 @@ class WriteBehind:
     def _run_oldest(self, link: TierLink, urgent: bool) -> None:
         """On a write thread: run the oldest waiting write of ``link``, unless the other lane
         took it already (every write sends one task to the idle threads, and one to the
-        normal-priority threads if the tier is behind: whichever comes first runs the oldest),
-        and hand its outcome to the loop."""
+        normal-priority threads if the tier is behind: whichever comes first runs the oldest).
+        Its outcome reaches the loop from the thread that commits it: an idle-priority thread
+        may not run again for a while after handing its write over (docs/BENCHMARKS.md, "A
+        write is reported when it commits")."""
         try:
             done, key, slot, group = link.waiting_writes.popleft()
         except IndexError:
@@ -294,21 +296,22 @@ class WriteBehind:
             with self.s.lock:
                 link.writes["urgent"] += 1
                 self.s.counts["writes_urgent"] += 1
-        ok = self._put(link, key, slot, group)
-        try:
-            self.pipe.loop.call_soon_threadsafe(_resolve, done, ok)
-        except RuntimeError:  # the loop is closed: nobody waits for the outcome any more
-            pass
-
-    def _put(self, link: TierLink, key: bytes, slot: int, group: int) -> bool:
         dtype = self.s.group_dtypes[group]
         entries = [(ns + key, view, dtype)
                    for ns, view in zip(self.s.namespaces, self.s.shard_views(slot, group), strict=True)]
+        loop = self.pipe.loop
+
+        def stored(n: int) -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve, done, n == len(entries))
+            except RuntimeError:  # the loop is closed: nobody waits for the outcome any more
+                pass
+
         try:
-            return link.tier.put_many(entries) == len(entries)
+            link.tier.put_many_then(entries, stored)
         except Exception:
             logger.exception("kvstrata: %s write of %s failed", link.name, key.hex())
-            return False
+            stored(0)
 
     async def drain(self) -> None:
         """Every accepted write, deferred ones too (close)."""

@@ -214,6 +214,9 @@ class RemoteStore:
                    put_raw_bytes=sum(memoryview(d).nbytes for (_, d, _), ok in zip(entries, done, strict=True) if ok))
         return stored
 
+    def put_many_then(self, entries: Sequence[tuple[bytes, Buffer, str]], done: Callable[[int], None]) -> None:
+        done(self.put_many(entries))
+
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self._delete(list(keys), wait=True)
 
