@@ -153,15 +153,18 @@ class StrataConfig:
     # restart are served at host-tier speed instead of reading the disk. 0 (off) by default:
     # the reads compete with serving while it runs.
     warm_start_bytes: int = 0
-    # Writing chunks down to the lower tiers (compression, LMDB puts, syncs). "auto": at idle
-    # CPU priority (tiers/priority.py), so it takes only cores serving leaves idle, until the
-    # write-behind falls behind (chunks postponed, half its host-slot budget held); then also
-    # on normal-priority threads, since an engine that keeps every core busy (vLLM on CPU under
-    # load) gives idle threads no CPU and the host tier would evict what the disk never got
-    # (docs/BENCHMARKS.md, "The write-behind held the host tier", "Catching up without waiting
-    # for reuse"). "idle": always idle (a CPU-bound engine whose workload never comes back for
-    # what it stored saves the catch-up's cost, 6-10 % of its time here; one that does
-    # loses chunks); "normal": never lowered.
+    # Writing chunks down to the lower tiers (compression, LMDB puts, syncs). "auto" on a CPU
+    # engine: at idle CPU priority (tiers/priority.py), so it takes only cores the forward
+    # leaves idle, until the write-behind falls behind (chunks postponed, half its host-slot
+    # budget held); then also on normal-priority threads, since an engine that keeps every core
+    # busy (vLLM on CPU under load) gives idle threads no CPU and the host tier would evict what
+    # the disk never got (docs/BENCHMARKS.md, "The write-behind held the host tier", "Catching
+    # up without waiting for reuse"). "auto" on an accelerator (CUDA, XPU): normal priority;
+    # the forward does not run on the cores, and an idle thread that other processes keep off a
+    # busy host while it holds the GIL stalls the engine's thread (docs/BENCHMARKS.md,
+    # "Idle-priority writes on a saturated host"). "idle": always idle (a CPU-bound engine
+    # whose workload never comes back for what it stored saves the catch-up's cost, 6-10 % of
+    # its time here; one that does loses chunks); "normal": never lowered.
     background_priority: Literal["auto", "idle", "normal"] = "auto"
     # A clean shutdown writes what the write-behind has not written yet (deferred chunks, and
     # those dropped or failed while the host tier still holds them), so a restart finds
@@ -232,6 +235,12 @@ class StrataConfig:
         if self.sync_loads == "auto":
             return device_type == "cpu"
         return bool(self.sync_loads)
+
+    def resolve_background_priority(self, device_type: str) -> Literal["auto", "idle", "normal"]:
+        """``background_priority`` for an engine on ``device_type``: "auto" is "normal" off CPU."""
+        if self.background_priority == "auto" and device_type != "cpu":
+            return "normal"
+        return self.background_priority
 
     def resolve_stream_loads(self, kv_load_failure_policy: str) -> bool:
         """Whether loads stream under vLLM's ``kv_load_failure_policy``."""

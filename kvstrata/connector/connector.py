@@ -55,11 +55,12 @@ logger = logging.getLogger("kvstrata")
 
 
 def build_hierarchy(
-    plan: KVPlan, cfg: StrataConfig, *, events: bool = False
+    plan: KVPlan, cfg: StrataConfig, *, events: bool = False, device_type: str = "cpu"
 ) -> tuple[Any, list[Any], Path | None]:
     """The scheduler's tier stack: host slab + pool, then the LMDB disk store and the shared
     Redis/Valkey tier where configured, and the I/O pipeline. ``events``: record tier changes for
-    vLLM's KV cache events.
+    vLLM's KV cache events; ``device_type``: the engine's (vLLM's ``device_config``), which
+    decides what ``background_priority: auto`` means.
 
     Returns the hierarchy, what to close after it (lower tiers, slab), and for a session-only
     store the temporary directory to remove.
@@ -69,6 +70,7 @@ def build_hierarchy(
     from kvstrata.tiers.host import HostPool, sweep_stale_slabs
 
     disk_auth, remote_auth, remote_password = auth.read_secrets(cfg)  # before anything is opened
+    priority = cfg.resolve_background_priority(device_type)
     # Engines killed without a clean shutdown leave their host tier behind in shared memory.
     stale = sweep_stale_slabs(os.path.dirname(plan.slab_path))
     if stale:
@@ -98,7 +100,7 @@ def build_hierarchy(
             # In "auto" the store's LMDB writer and sync threads keep normal priority: the
             # urgent writes that catch up must not queue behind an idle thread (their CPU is
             # small beside compression, which the write-behind's own threads do).
-            idle_writer=cfg.background_priority == "idle",
+            idle_writer=priority == "idle",
             mode=cfg.store_mode, auth=disk_auth,
         )
         fsmode.warn_if_readable(Path(store_path), logger)
@@ -150,8 +152,8 @@ def build_hierarchy(
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.resolve_io_threads(),
         events=events,
-        idle_writes=cfg.background_priority in ("auto", "idle"),
-        urgent_writes=cfg.background_priority == "auto",
+        idle_writes=priority in ("auto", "idle"),
+        urgent_writes=priority == "auto",
     )
     return hierarchy, [c for c in (remote, disk, slab) if c is not None], session_dir
 
@@ -192,7 +194,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config is not None and bool(
                 vllm_config.kv_events_config.enable_kv_cache_events)
             hierarchy, self._owned, self._session_dir = build_hierarchy(
-                self.plan, self.cfg, events=events)
+                self.plan, self.cfg, events=events, device_type=device)
             _lower_switch_interval(self.cfg.python_switch_interval_s)
             hierarchy.warm_start(self.cfg.warm_start_bytes // self.plan.slot_bytes)
             hierarchy.announce_disk()  # KV events only: what a restarted engine holds on disk

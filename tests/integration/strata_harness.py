@@ -200,6 +200,9 @@ class Runner:
     # (``use_mla``, ``kv_tp_replicas``) are set, and the emulated forward writes the same values
     # on every rank.
     replicated: bool = False
+    # The engine's device type as the connector reads it (``device_config.device_type``): what
+    # "auto" options resolve by. The copies still run on the CPU (or the accelerator double).
+    device_type: str = "cpu"
 
     def __post_init__(self) -> None:
         if not self.replicated:
@@ -223,6 +226,7 @@ class Runner:
                                   mamba=any(g.kind == "mamba" for g in self.groups),
                                   prefix_match_unit=self.prefix_match_unit,
                                   kv_events=self.kv_events)
+        self.config.device_config.device_type = self.device_type
         self.kv_config = kv_cache_config(self.groups, self.num_blocks)
         if self.replicated:
             self.kv_config.kv_tp_replicas = self.tp

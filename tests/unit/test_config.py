@@ -258,6 +258,15 @@ def test_background_priority_is_auto_unless_asked() -> None:
         StrataConfig.from_extra_config({"background_priority": "low"})
 
 
+@pytest.mark.parametrize(("value", "device", "resolved"), [
+    ("auto", "cpu", "auto"), ("auto", "cuda", "normal"), ("auto", "xpu", "normal"),
+    ("idle", "cuda", "idle"), ("normal", "cpu", "normal"), ("idle", "cpu", "idle"),
+])
+def test_auto_background_priority_is_normal_off_cpu(value: str, device: str, resolved: str) -> None:
+    cfg = StrataConfig.from_extra_config({"background_priority": value})
+    assert cfg.resolve_background_priority(device) == resolved
+
+
 def test_disk_reserve_is_a_size_or_a_share_of_the_file_system(tmp_path: Path) -> None:
     assert StrataConfig.from_extra_config({}).disk_reserve == 1 << 30
     assert StrataConfig.from_extra_config({"disk_reserve": "2GiB"}).resolve_disk_reserve(tmp_path) == 2 << 30

@@ -1,6 +1,6 @@
 """The connector's start-up configuration under vLLM 0.32.0's real Scheduler, on CPU: options and
 parallelism refused before the store opens, a session-only store under a random hash seed, the
-disk reserve, and a host tier its shared memory cannot hold."""
+disk reserve, a host tier its shared memory cannot hold, and the write threads' priority."""
 
 from __future__ import annotations
 
@@ -123,3 +123,41 @@ def test_a_host_tier_its_shared_memory_cannot_hold_is_a_clear_error(runners, tmp
                                           r"free.*--shm-size.*'host_shm_dir'.*'host_bytes'"):
         runners([G("full", 16)], extra={"host_shm_dir": str(shm), "host_bytes": "64MiB"})
     assert os.listdir(shm) == []  # nothing left behind
+
+
+@pytest.mark.parametrize(("device", "idle"), [("cpu", True), ("cuda", False)])
+def test_auto_priority_writes_at_idle_priority_on_cpu_engines_only(
+        runners, tmp_path: Path, device: str, idle: bool) -> None:
+    """``background_priority: auto``: a CPU engine's write threads yield the cores to its
+    forward; an accelerator engine's keep normal priority (an idle one holding the GIL on a busy
+    host stalls the engine thread: docs/BENCHMARKS.md, "Idle-priority writes on a saturated
+    host")."""
+    import os
+    import time
+
+    from kvstrata.tiers.priority import thread_policy
+
+    if thread_policy() is None or not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no per-thread scheduling policies here")
+
+    def write_threads() -> dict[int, int | None]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if name.startswith(("kvs-write-disk", "kvs-urgent-disk")):
+                out[int(tid)] = thread_policy(int(tid))
+        return out
+
+    before = set(write_threads())
+    r = runners([G("full", 16)], tmp_path / device, device_type=device)
+    assert store_then_serve(r, token_prompt(64)) == 64
+    hierarchy = r.connector.scheduler.hierarchy
+    deadline = time.monotonic() + 30
+    while hierarchy.stats()["writes_completed"] < 4:
+        assert time.monotonic() < deadline, hierarchy.stats()
+        time.sleep(0.01)
+    policies = {p for tid, p in write_threads().items() if tid not in before}
+    assert policies == ({os.SCHED_IDLE} if idle else {os.SCHED_OTHER}), policies
