@@ -109,9 +109,9 @@ def test_backpressure_postpones_when_disk_lags_and_resumes_without_holding_slots
 
 def test_a_write_is_reported_when_it_commits_while_its_write_thread_is_not_running(env):
     """A write thread runs at idle priority: a busy CPU may not run it again for a second after
-    it handed its write over (docs/BENCHMARKS.md). The write still completes at its commit: the
-    slot is released, the tier counts it resident and its event is out, while the thread that
-    compressed it stays held (whichever put the tier is asked for)."""
+    it handed its write over (docs/BENCHMARKS.md). The write still completes at its commit: it
+    is counted, its slot released and its event out, while the thread that compressed it stays
+    held (whichever put the tier is asked for)."""
     handed_over, release = threading.Event(), threading.Event()
 
     class HeldAfterward(GatedDisk):
