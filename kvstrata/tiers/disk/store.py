@@ -354,12 +354,13 @@ class DiskStore:
             done(present)
             return
         lock = threading.Lock()
-        left = [len(futures)]
+        left = len(futures)
 
         def one_done(_fut: Future[bool]) -> None:
+            nonlocal left
             with lock:
-                left[0] -= 1
-                if left[0]:
+                left -= 1
+                if left:
                     return
             done(present + sum(1 for fut in futures if fut.result()))
 
