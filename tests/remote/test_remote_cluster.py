@@ -12,6 +12,7 @@ are served again and the dead master's are misses.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -216,6 +217,32 @@ def test_one_master_hung_costs_one_timeout(cluster: RedisCluster) -> None:
         # Nothing lost. The master just resumed may still miss one call's 0.25 s on a loaded
         # machine (a counted miss, as any timeout): every key is answered again after.
         eventually(lambda: store.contains_many(keys) == [True] * 300, "every key answered again")
+    finally:
+        store.close()
+
+
+def test_writes_beyond_the_connection_pool_wait_for_a_connection(cluster: RedisCluster) -> None:
+    """The write-behind hands writes over without waiting for them (``put_many_then``), so more
+    can be in flight than the write pool has connections. A cluster client refuses a command
+    beyond its pool (``MaxConnectionsError``, an outage to the breaker): the tier holds such
+    writes until a connection is free, and every one lands with the breaker closed."""
+    store = store_on(cluster, max_connections=2, write_timeout_s=5.0)
+    keys = [skey(i, NS[i % 2]) for i in range(24)]
+    reports: list[int] = []
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            reports.append(n)
+
+    try:
+        for i in range(0, len(keys), 2):  # 12 writes of two values, handed over at once
+            store.put_many_then([(k, value(k), "uint8") for k in keys[i:i + 2]], report)
+        eventually(lambda: len(reports) == 12, "every write's report")
+        assert reports == [2] * 12
+        st = store.stats()
+        assert (st["puts"], st["put_failed"], st["unavailable"], st["errors"]) == (24, 0, 0, 0)
+        assert store.available and store.contains_many(keys) == [True] * 24
     finally:
         store.close()
 

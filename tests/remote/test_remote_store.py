@@ -396,6 +396,62 @@ def test_a_write_outlasts_a_stall_that_fails_a_lookup(redis_server: RedisServer,
         s.close()
 
 
+def test_put_many_then_reports_from_the_loop_once_the_server_took_the_values(redis_server: RedisServer,
+                                                                            plain: redis.Redis) -> None:
+    """The write-behind's put: it returns once the values are encoded and handed to the tier's
+    loop, and the outcome is reported from there when the server answers. An idle-priority
+    write thread thus neither waits out the round trip nor holds up the report (a busy CPU may
+    not run it again for a second: docs/BENCHMARKS.md, "A write is reported when it commits")."""
+    s = make_store(redis_server, write_timeout_s=10.0)
+    d = tensor("uint8", 0, 4096)
+    reports: list[tuple[int, str]] = []
+
+    def report(n: int) -> None:
+        reports.append((n, threading.current_thread().name))
+
+    try:
+        assert s.put_many([(skey(1), d, "uint8")]) == 1  # the connections are open
+        redis_server.pause()
+        resume = threading.Timer(1.0, redis_server.resume)
+        resume.start()
+        s.put_many_then([(skey(2), d, "uint8"), (skey(3), d, "uint8")], report)
+        assert reports == []  # returned with the server still stalled
+        resume.join()
+        eventually(lambda: reports, "the report")
+        assert reports == [(2, "kvstrata-remote")]
+        assert plain.exists(remote_key(skey(2)), remote_key(skey(3))) == 2
+        st = s.stats()
+        assert (st["puts"], st["put_failed"], st["put_raw_bytes"]) == (3, 0, 3 * d.nbytes) and quiet(st)
+        s.put_many_then([], report)  # nothing to send: reported at once, in the caller
+        assert reports[1:] == [(0, threading.current_thread().name)]
+    finally:
+        redis_server.resume()
+        s.close()
+    s.put_many_then([(skey(4), d, "uint8")], report)  # closed: not stored, reported at once
+    assert reports[2:] == [(0, threading.current_thread().name)]
+    assert not plain.exists(remote_key(skey(4)))
+
+
+def test_a_write_in_flight_when_the_store_closes_is_reported_not_stored(redis_server: RedisServer) -> None:
+    """close() while a write waits for a stalled server: its caller hears "not stored" once,
+    and nothing is left pending on the stopped loop."""
+    s = make_store(redis_server, write_timeout_s=30.0)
+    d = tensor("uint8", 0, 4096)
+    reports: list[int] = []
+    try:
+        assert s.put_many([(skey(1), d, "uint8")]) == 1
+        redis_server.pause()
+        s.put_many_then([(skey(2), d, "uint8")], reports.append)
+        assert reports == []
+        s.close()
+        assert reports == [0]
+        assert s.stats()["put_failed"] == 1
+    finally:
+        redis_server.resume()
+        s.close()
+    assert reports == [0]  # the loop's thread is gone: no second report
+
+
 def test_password_and_database_from_the_url(tmp_path) -> None:
     """A server with a password (``requirepass``) and an ACL user, reached through the URL's
     credentials; ``/db`` selects the database the values land in."""

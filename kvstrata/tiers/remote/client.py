@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -116,11 +116,6 @@ class RemoteLoop:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Awaitable[T], timeout: float) -> T:
-        """Run ``coro`` on the loop and wait at most ``timeout`` seconds for it (the coroutine
-        is cancelled then, and TimeoutError raised)."""
-        return self.submit(asyncio.wait_for(coro, timeout)).result(timeout + 1.0)
 
     def stop(self) -> None:
         if self.loop.is_closed():

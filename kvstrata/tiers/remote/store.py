@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import CancelledError, Future
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.exceptions as rex
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KEY_PREFIX = b"kvstrata:"
 NAMESPACE_BYTES = 16  # connector.keys: every store key starts with its shard's namespace
@@ -128,6 +130,9 @@ class RemoteStore:
         self._probing = False
         self._closed = False
         self._loop = rc.RemoteLoop("kvstrata-remote")
+        # Writes sent at once: no more than the write pool's connections (``_send_puts``).
+        self._write_slots = asyncio.Semaphore(max_connections)
+        self._puts_inflight: set[Future[list[bool]]] = set()
 
         async def create(timeout: float) -> Any:
             return rc.make_client(self.address, connect_timeout_s=connect_timeout_s,
@@ -197,25 +202,40 @@ class RemoteStore:
         return out
 
     def put_many(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> int:
-        if not entries:
+        frames = self._encode_puts(entries)
+        if frames is None:
             return 0
-        if not self._breaker.up:  # before the encoding: nothing will be sent
-            self._bump(skipped_unavailable=1, put_failed=len(entries))
-            return 0
-        frames = [(self._rkey(key), self._value(key, codec.encode(data, dtype, key=key, level=self._level,
-                                                                 mode=self._mode)))
-                  for key, data, dtype in entries]
-        done = (self._call(rc.set_many(self._writer, frames, self._ttl_ms), None, self._write_deadline)
-                or [False] * len(frames))
-        stored = sum(done)
-        # Bytes of the values the server took (all, or none when the call failed).
-        self._bump(puts=stored, put_failed=len(entries) - stored,
-                   put_bytes=sum(len(f) for (_, f), ok in zip(frames, done, strict=True) if ok),
-                   put_raw_bytes=sum(memoryview(d).nbytes for (_, d, _), ok in zip(entries, done, strict=True) if ok))
-        return stored
+        raw = [memoryview(data).nbytes for _, data, _ in entries]
+        # Bounded twice over: a wait for a write connection and the write, each by the deadline.
+        ok = self._call(self._send_puts(frames, self._write_deadline), None, 2 * self._write_deadline + 1.0)
+        return self._count_puts(raw, frames, ok)
 
     def put_many_then(self, entries: Sequence[tuple[bytes, Buffer, str]], done: Callable[[int], None]) -> None:
-        done(self.put_many(entries))
+        """``put_many`` without waiting for the server: encodes in the calling thread, hands
+        the values to the loop and returns; ``done(stored)`` is called once, on the loop's
+        thread when the server answers (or the write fails or the store closes), in this
+        thread when nothing is sent. So an idle-priority caller, which a busy CPU may not run
+        again for a second, neither holds up the report of a stored write nor waits out the
+        round trip (docs/BENCHMARKS.md, "A write is reported when it commits")."""
+        frames = self._encode_puts(entries)
+        if frames is None:
+            done(0)
+            return
+        raw = [memoryview(data).nbytes for _, data, _ in entries]
+        # No deadline on the wait for a connection: the write-behind bounds what is in flight.
+        future = self._submit(self._send_puts(frames, None), None)
+        if future is None:
+            done(self._count_puts(raw, frames, None))
+            return
+
+        def answered(fut: Future[list[bool]]) -> None:
+            with self._counts_lock:
+                self._puts_inflight.discard(fut)
+            done(self._count_puts(raw, frames, self._outcome(fut, None)))
+
+        with self._counts_lock:  # close() fails what the loop did not finish
+            self._puts_inflight.add(future)
+        future.add_done_callback(answered)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self._delete(list(keys), wait=True)
@@ -242,6 +262,10 @@ class RemoteStore:
         except Exception:  # closing a dead server's connections: nothing to do about it
             pass
         self._loop.stop()
+        with self._counts_lock:
+            unfinished = list(self._puts_inflight)
+        for future in unfinished:  # the loop never got to them: their callers hear "not stored"
+            future.cancel()
 
     async def _shutdown(self) -> None:
         """On the loop: end what runs behind the callers (touches, deletions of damaged values,
@@ -286,21 +310,74 @@ class RemoteStore:
             for name, n in counts.items():
                 self._counts[name] += n
 
-    def _call(self, coro: Any, default: Any, deadline: float | None = None) -> Any:
-        """Run a command batch on the loop within ``deadline`` (the tier's, by default);
-        ``default`` when the breaker is open or the call fails (counted, and the breaker opened
-        if the server is unavailable)."""
+    def _encode_puts(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> list[tuple[bytes, bytes]] | None:
+        """The server keys and values of ``entries``; None (counted) when nothing is to be sent."""
+        if not entries:
+            return None
+        if not self._breaker.up or self._closed:  # before the encoding: nothing will be sent
+            self._bump(skipped_unavailable=1, put_failed=len(entries))
+            return None
+        return [(self._rkey(key), self._value(key, codec.encode(data, dtype, key=key, level=self._level,
+                                                                mode=self._mode)))
+                for key, data, dtype in entries]
+
+    async def _send_puts(self, frames: list[tuple[bytes, bytes]], slot_wait_s: float | None) -> list[bool]:
+        """On the loop: SET the values once a write connection is free (waiting at most
+        ``slot_wait_s``; None: as long as it takes), within the write deadline. Writes beyond the
+        pool wait here rather than in redis-py's pool, whose wait would time out as an outage."""
+        try:
+            await asyncio.wait_for(self._write_slots.acquire(), slot_wait_s)
+        except TimeoutError:  # every connection busy with other writes: not stored, no outage
+            return [False] * len(frames)
+        try:
+            return await asyncio.wait_for(rc.set_many(self._writer, frames, self._ttl_ms), self._write_deadline)
+        finally:
+            self._write_slots.release()
+
+    def _count_puts(self, raw: list[int], frames: list[tuple[bytes, bytes]], ok: list[bool] | None) -> int:
+        """Count a write's outcome (``ok``: per value, None when the call failed): how many stored."""
+        done = ok or [False] * len(frames)
+        stored = sum(done)
+        # Bytes of the values the server took (all, or none when the call failed).
+        self._bump(puts=stored, put_failed=len(frames) - stored,
+                   put_bytes=sum(len(f) for (_, f), taken in zip(frames, done, strict=True) if taken),
+                   put_raw_bytes=sum(n for n, taken in zip(raw, done, strict=True) if taken))
+        return stored
+
+    def _submit(self, coro: Coroutine[Any, Any, T], deadline: float | None) -> Future[T] | None:
+        """Start a command batch on the loop, cancelled after ``deadline`` (None: the coroutine
+        bounds itself); None (counted) when the breaker is open or the store closed."""
         if not self._breaker.up or self._closed:
             coro.close()
             self._bump(skipped_unavailable=1)
-            return default
+            return None
         try:
-            return self._loop.call(coro, self._deadline if deadline is None else deadline)
+            return self._loop.submit(coro if deadline is None else asyncio.wait_for(coro, deadline))
+        except RuntimeError:  # closed meanwhile: its loop is gone
+            coro.close()
+            self._bump(skipped_unavailable=1)
+            return None
+
+    def _outcome(self, future: Future[T], default: Any, wait_s: float | None = None) -> Any:
+        """A submitted batch's result (waiting at most ``wait_s``), or ``default`` when it
+        failed: counted, and the breaker opened if the server is unavailable."""
+        try:
+            return future.result(wait_s)
+        except CancelledError:  # the store closed under it
+            return default
         except _UNAVAILABLE as exc:
             self._unavailable(exc)
         except Exception as exc:
             self._error(exc)
         return default
+
+    def _call(self, coro: Coroutine[Any, Any, T], default: Any, deadline: float | None = None) -> Any:
+        """Run a command batch on the loop within ``deadline`` (the tier's, by default) and
+        wait for it; ``default`` when the breaker is open or the call fails (counted, and the
+        breaker opened if the server is unavailable)."""
+        deadline = self._deadline if deadline is None else deadline
+        future = self._submit(coro, deadline)
+        return default if future is None else self._outcome(future, default, deadline + 1.0)
 
     async def _quiet(self, coro: Any) -> None:
         try:
