@@ -26,6 +26,7 @@ DEFAULT_HOST_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 64 << 30
 DEFAULT_DISK_RESERVE = 1 << 30
 MAX_AUTO_IO_THREADS = 4
+MAX_AUTO_WRITE_THREADS = 4
 AUTO_CHUNK_TOKENS = 64  # the least tokens per chunk blocks_per_chunk "auto" aims for
 MAX_SIZE_BYTES = 1 << 60  # 1 EiB: beyond any disk or memory, still a 64-bit count
 
@@ -118,6 +119,13 @@ class StrataConfig:
     # load (32 records) finished decoding in 0.085-0.134 s with 2 threads, 0.112-0.179 s with 4
     # and 0.139-0.164 s with 8, alternating runs of benchmarks/profile_disk_ttft.py.
     io_threads: int | str = "auto"
+    # Host -> disk (and shared tier) write threads per lower tier (compression, then the tier's
+    # own writer). One thread compresses about 0.3-0.5 GB/s of bf16 KV per core (storage-facts
+    # 3.3), less than a GPU prefills: the rest is postponed and, once the host tier evicts it,
+    # never written. "auto": on CPU engines 1 (the forward keeps every core busy; writes take
+    # what it leaves), on accelerators one per core this process may use, at most
+    # MAX_AUTO_WRITE_THREADS (docs/BENCHMARKS.md, "Write-behind throughput").
+    write_threads: int | str = "auto"
     max_disk_write_backlog_bytes: int = 512 << 20
     offload_prompt_only: bool = True
     max_age_s: float | None = None
@@ -227,6 +235,12 @@ class StrataConfig:
         if self.io_threads == "auto":
             return max(1, min(MAX_AUTO_IO_THREADS, usable_cpus()))
         return int(self.io_threads)
+
+    def resolve_write_threads(self, device_type: str) -> int:
+        """Write threads per lower tier for an engine on ``device_type`` (``write_threads``)."""
+        if self.write_threads == "auto":
+            return 1 if device_type == "cpu" else max(1, min(MAX_AUTO_WRITE_THREADS, usable_cpus()))
+        return int(self.write_threads)
 
     def resolve_sync_loads(self, device_type: str, num_kv_cache_groups: int) -> bool:
         """Whether hits are loaded in the step that computes them (``sync_loads``)."""
@@ -428,6 +442,7 @@ _VALIDATORS = {
     "eviction": _choice("lru", "arc"),
     "prefetch_concurrency": _int_range(1, 256),
     "io_threads": _auto_or(_int_range(1, 64)),
+    "write_threads": _auto_or(_int_range(1, 64)),
     "max_disk_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),
     "offload_prompt_only": _bool,
     "max_age_s": _optional_seconds,

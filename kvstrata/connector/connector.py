@@ -60,7 +60,7 @@ def build_hierarchy(
     """The scheduler's tier stack: host slab + pool, then the LMDB disk store and the shared
     Redis/Valkey tier where configured, and the I/O pipeline. ``events``: record tier changes for
     vLLM's KV cache events; ``device_type``: the engine's (vLLM's ``device_config``), which
-    decides what ``background_priority: auto`` means.
+    decides what ``background_priority: auto`` and ``write_threads: auto`` mean.
 
     Returns the hierarchy, what to close after it (lower tiers, slab), and for a session-only
     store the temporary directory to remove.
@@ -151,6 +151,7 @@ def build_hierarchy(
         max_deferred_bytes=cfg.max_disk_write_backlog_bytes,
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.resolve_io_threads(),
+        write_threads=cfg.resolve_write_threads(device_type),
         events=events,
         idle_writes=priority in ("auto", "idle"),
         urgent_writes=priority == "auto",

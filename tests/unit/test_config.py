@@ -120,6 +120,23 @@ def test_io_threads_auto_is_one_per_usable_core_at_most_four(monkeypatch: pytest
     assert StrataConfig.from_extra_config({"io_threads": "6"}).resolve_io_threads() == 6
 
 
+def test_write_threads_auto_is_one_on_cpu_and_one_per_usable_core_at_most_four_off_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstrata.config as config
+
+    cfg = StrataConfig.from_extra_config({})
+    assert cfg.write_threads == "auto"
+    for cores, threads in ((1, 1), (2, 2), (3, 3), (4, 4), (64, 4)):
+        monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert cfg.resolve_write_threads("cuda") == cfg.resolve_write_threads("xpu") == threads
+        assert cfg.resolve_write_threads("cpu") == 1  # the forward keeps every core busy
+    explicit = StrataConfig.from_extra_config({"write_threads": "3"})
+    assert explicit.resolve_write_threads("cpu") == explicit.resolve_write_threads("cuda") == 3
+    for bad in (0, 65, "many", 2.5):
+        with pytest.raises(ConfigError, match="write_threads"):
+            StrataConfig.from_extra_config({"write_threads": bad})
+
+
 def test_switch_interval_is_only_ever_lowered() -> None:
     import sys
 

@@ -107,6 +107,27 @@ def test_backpressure_postpones_when_disk_lags_and_resumes_without_holding_slots
     h.close(flush_unwritten=False)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_write_threads_write_that_many_chunks_at_once(env, threads: int):
+    """``write_threads`` per tier (``write_threads: auto`` gives an accelerator engine up to
+    four): that many writes are in the tier at once, the others wait for a thread, oldest
+    first, and every one lands."""
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    gated.writes_open.clear()
+    h = env.hier(gated, write_threads=threads)
+    keys = [key(i) for i in range(6)]
+    try:
+        store(h, keys)
+        eventually(lambda: gated.put_calls == threads, f"{threads} writes in the tier")
+        eventually(lambda: h.stats()["write_waiting"] == len(keys) - threads, "the rest waiting")
+        assert gated.put_calls == threads  # no thread took a second write meanwhile
+    finally:
+        gated.writes_open.set()
+    eventually(lambda: h.stats()["writes_completed"] == len(keys), "every write")
+    assert all(on_disk(disk, k) for k in keys)
+
+
 def test_a_write_is_reported_when_it_commits_while_its_write_thread_is_not_running(env):
     """A write thread runs at idle priority: a busy CPU may not run it again for a second after
     it handed its write over (docs/BENCHMARKS.md). The write still completes at its commit: it

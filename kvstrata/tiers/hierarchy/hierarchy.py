@@ -127,6 +127,7 @@ class Hierarchy:
         self.slab = s.slab
         self.namespaces = s.namespaces
         self.shard_bytes = s.shard_bytes
+        self.write_threads = write_threads  # per lower tier
         self._pipe = Pipeline(links, read_threads=read_threads, write_threads=write_threads,
                               max_concurrent_reads=max_concurrent_reads, idle_writes=idle_writes,
                               urgent_writes=urgent_writes)

@@ -131,7 +131,8 @@ def test_auto_priority_writes_at_idle_priority_on_cpu_engines_only(
     """``background_priority: auto``: a CPU engine's write threads yield the cores to its
     forward; an accelerator engine's keep normal priority (an idle one holding the GIL on a busy
     host stalls the engine thread: docs/BENCHMARKS.md, "Idle-priority writes on a saturated
-    host")."""
+    host"). ``write_threads: auto``: one on a CPU engine, one per usable core (at most four)
+    on an accelerator's, whose prefill outruns one thread's compression."""
     import os
     import time
 
@@ -161,3 +162,4 @@ def test_auto_priority_writes_at_idle_priority_on_cpu_engines_only(
         time.sleep(0.01)
     policies = {p for tid, p in write_threads().items() if tid not in before}
     assert policies == ({os.SCHED_IDLE} if idle else {os.SCHED_OTHER}), policies
+    assert hierarchy.write_threads == (1 if device == "cpu" else min(4, len(os.sched_getaffinity(0))))
