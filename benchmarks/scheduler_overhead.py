@@ -189,6 +189,11 @@ class Engine:
                                  kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
         # vLLM's CPU platform turns async scheduling off while the config is built; GPUs keep it.
         self.config.scheduler_config.async_scheduling = True
+        if config == "kvstrata":
+            # What kvstrata's "auto" options resolve for (sync_loads, background_priority,
+            # write_threads): read by its scheduler side only, from vLLM's device_config. The
+            # worker side copies between host-memory tensors whatever this says.
+            self.config.device_config.device_type = args.kvstrata_device
         spec = FullAttentionSpec(block_size=args.block_size, num_kv_heads=HEADS, head_size=HEAD,
                                  dtype=torch.float16)
         names = [f"l{i}" for i in range(LAYERS)]
@@ -351,6 +356,10 @@ def run_config(config: str, args: argparse.Namespace, work: Path) -> dict[str, A
                  for _ in range(wl.users)]
     timings = Timings()
     engine = Engine(config, args, work, timings)
+    resolved = None
+    if config == "kvstrata":  # what its automatic options came to for --kvstrata-device
+        mine = engine.connector.scheduler
+        resolved = {"sync_loads": mine.sync_loads, "write_threads": mine.hierarchy.write_threads}
     # As vLLM's engine core at the end of its start-up: what start-up allocated is never scanned
     # by the collector again, so a step pays only for what serving allocates.
     from vllm.utils.gc_utils import freeze_gc_heap
@@ -390,6 +399,8 @@ def run_config(config: str, args: argparse.Namespace, work: Path) -> dict[str, A
         out["connector_us"] = out["worker_us"] = None
     if config != "kvstrata":
         out["served_tokens"] = None  # what another connector served is not reported per request
+    else:
+        out["resolved"] = resolved
     return out
 
 
@@ -411,6 +422,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--host-bytes", default="256MiB", help="kvstrata's host tier")
     p.add_argument("--kvstrata-config", default="{}", help="options added to kvstrata's (JSON)")
+    p.add_argument("--kvstrata-device", choices=("cuda", "cpu"), default="cuda",
+                   help="the engine device kvstrata's automatic options resolve for: cuda (as on a GPU: "
+                        "asynchronous loads, normal-priority writes on one thread per core, at most 4) "
+                        "or cpu (synchronous loads, idle-priority writes on one thread)")
     p.add_argument("--vllm-offload-config", default="{}",
                    help="options added to vLLM's OffloadingConnector's (JSON), e.g. '{\"block_size\": 64}'")
     p.add_argument("--forward-ms", type=float, default=10.0,
@@ -462,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "workload": {k: v for k, v in vars(args.workload).items()},
         "block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "configs": {},
+        "max_num_batched_tokens": args.max_num_batched_tokens, "kvstrata_device": args.kvstrata_device,
+        "configs": {},
     }
     for config in args.configs:
         print(f"scheduler_overhead: {config} ...", file=sys.stderr, flush=True)

@@ -55,6 +55,20 @@ def test_every_configuration_reports_its_figures(capsys) -> None:
     for fig in figs.values():
         assert fig["gpu_wait"].keys() == {"steps", "ms", "share_of_forward"}
         assert 0 <= fig["gpu_wait"]["steps"] < fig["steps"]
+    # kvstrata's automatic options resolved as on a GPU engine (the default --kvstrata-device).
+    assert result["kvstrata_device"] == "cuda"
+    assert mine["resolved"]["sync_loads"] is False and mine["resolved"]["write_threads"] >= 1
+
+
+def test_kvstrata_options_resolve_for_the_device_asked(capsys) -> None:
+    """``--kvstrata-device cpu``: a CPU engine's synchronous loads and single write thread."""
+    code = scheduler_overhead.main([
+        "--configs", "kvstrata", "--kvstrata-device", "cpu", "--users", "2", "--rounds", "1",
+        "--system-tokens", "16", "--prompt-tokens", "64", "--question-tokens", "8", "--answer-tokens", "4",
+        "--forward-ms", "0", "--forward-us-per-token", "0", "--host-bytes", "8MiB"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["kvstrata_device"] == "cpu"
+    assert result["configs"]["kvstrata"]["resolved"] == {"sync_loads": True, "write_threads": 1}
 
 
 def test_the_gpu_waits_for_what_the_engine_core_does_beyond_the_forward() -> None:
