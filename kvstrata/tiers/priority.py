@@ -65,10 +65,11 @@ def name_this_thread(name: str | None = None) -> None:
 
 
 def background_thread(idle: bool) -> None:
-    """Thread-pool initializer: name the thread, and give it idle priority if ``idle``."""
-    name_this_thread()
+    """Thread-pool initializer: give the thread idle priority if ``idle``, then name it (a
+    thread that shows its name in `top -H` or /proc has its priority already)."""
     if idle:
         lower_this_thread()
+    name_this_thread()
 
 
 def lower_this_thread() -> str:
@@ -134,7 +135,7 @@ def widen_this_thread() -> frozenset[int] | None:
 
 
 def worker_thread() -> None:
-    """Thread-pool initializer for threads in the engine's worker process: name the thread and
-    widen it off the OpenMP core it inherited."""
-    name_this_thread()
+    """Thread-pool initializer for threads in the engine's worker process: widen the thread off
+    the OpenMP core it inherited, then name it (a thread that shows its name has its CPUs)."""
     widen_this_thread()
+    name_this_thread()

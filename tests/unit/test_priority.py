@@ -57,6 +57,33 @@ def test_pool_threads_carry_their_names_and_priority_into_the_kernel() -> None:
         assert policy == os.SCHED_OTHER
 
 
+@linux_only
+@pytest.mark.parametrize("initializer", ["background_thread", "worker_thread"])
+def test_a_pool_thread_shows_its_name_only_once_its_priority_and_cpus_are_set(
+        initializer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tools and tests find kvstrata's threads by kernel name (`top -H`, /proc): one that shows
+    its name already has its priority (write threads) or its CPUs (copy threads). A test that
+    read a copy thread's CPUs while a second pool thread was still starting found it on one
+    core."""
+    from kvstrata.tiers import priority
+
+    seen: list[str] = []  # the thread's kernel name when its setup ran
+
+    def noting_the_name(setup):
+        def run():
+            seen.append(_comm())
+            return setup()
+        return run
+
+    for setup in ("lower_this_thread", "widen_this_thread"):
+        monkeypatch.setattr(priority, setup, noting_the_name(getattr(priority, setup)))
+    init = partial(priority.background_thread, True) if initializer == "background_thread" else priority.worker_thread
+    with ThreadPoolExecutor(1, thread_name_prefix="kvstrata-copy", initializer=init) as pool:
+        name = pool.submit(_comm).result()
+    assert name == "kvs-copy_0"
+    assert seen and name not in seen, seen  # named after its setup
+
+
 # ---- placement: threads of a CPU worker off the one OpenMP core they inherit ---------------------
 
 @needs_two_cpus
