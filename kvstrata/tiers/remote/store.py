@@ -351,10 +351,12 @@ class RemoteStore:
             coro.close()
             self._bump(skipped_unavailable=1)
             return None
+        bounded = coro if deadline is None else asyncio.wait_for(coro, deadline)
         try:
-            return self._loop.submit(coro if deadline is None else asyncio.wait_for(coro, deadline))
+            return self._loop.submit(bounded)
         except RuntimeError:  # closed meanwhile: its loop is gone
-            coro.close()
+            bounded.close()
+            coro.close()  # never started: closed, or Python warns it was never awaited
             self._bump(skipped_unavailable=1)
             return None
 
