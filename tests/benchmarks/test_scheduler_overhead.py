@@ -28,15 +28,19 @@ def test_bad_options_name_what_is_wrong(argv, message, capsys) -> None:
     assert message in refusal(scheduler_overhead.parse_args, argv, capsys)
 
 
+def run(argv: list[str], capsys) -> dict:
+    """The benchmark's JSON for ``argv`` (it exited 0)."""
+    assert scheduler_overhead.main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def test_every_configuration_reports_its_figures(capsys) -> None:
     # Three users whose contexts do not fit the device's 60 blocks: second rounds come back for
     # prefixes vLLM's own cache evicted.
-    code = scheduler_overhead.main([
+    result = run([
         "--users", "3", "--rounds", "2", "--system-tokens", "64", "--prompt-tokens", "512",
         "--question-tokens", "16", "--answer-tokens", "8", "--arrival-steps", "1", "--num-blocks", "60",
-        "--forward-ms", "1", "--forward-us-per-token", "0", "--host-bytes", "8MiB"])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 0
+        "--forward-ms", "1", "--forward-us-per-token", "0", "--host-bytes", "8MiB"], capsys)
     figs = result["configs"]
     assert set(figs) == set(scheduler_overhead.CONFIGS)
     for name, fig in figs.items():
@@ -62,12 +66,11 @@ def test_every_configuration_reports_its_figures(capsys) -> None:
 
 def test_kvstrata_options_resolve_for_the_device_asked(capsys) -> None:
     """``--kvstrata-device cpu``: a CPU engine's synchronous loads and single write thread."""
-    code = scheduler_overhead.main([
+    result = run([
         "--configs", "kvstrata", "--kvstrata-device", "cpu", "--users", "2", "--rounds", "1",
         "--system-tokens", "16", "--prompt-tokens", "64", "--question-tokens", "8", "--answer-tokens", "4",
-        "--forward-ms", "0", "--forward-us-per-token", "0", "--host-bytes", "8MiB"])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 0 and result["kvstrata_device"] == "cpu"
+        "--forward-ms", "0", "--forward-us-per-token", "0", "--host-bytes", "8MiB"], capsys)
+    assert result["kvstrata_device"] == "cpu"
     assert result["configs"]["kvstrata"]["resolved"] == {"sync_loads": True, "write_threads": 1}
 
 

@@ -412,7 +412,7 @@ def test_put_many_then_reports_from_the_loop_once_the_server_took_the_values(red
     try:
         assert s.put_many([(skey(1), d, "uint8")]) == 1  # the connections are open
         redis_server.pause()
-        resume = threading.Timer(1.0, redis_server.resume)
+        resume = threading.Timer(2.0, redis_server.resume)
         resume.start()
         s.put_many_then([(skey(2), d, "uint8"), (skey(3), d, "uint8")], report)
         assert reports == []  # returned with the server still stalled
