@@ -121,10 +121,10 @@ class StrataConfig:
     io_threads: int | str = "auto"
     # Host -> disk (and shared tier) write threads per lower tier (compression, then the tier's
     # own writer). One thread compresses 0.3-1 GB/s of bf16 KV per core (storage-facts 3.3;
-    # docs/BENCHMARKS.md), less than a GPU prefills: the rest is postponed and, once the host tier evicts it,
-    # never written. "auto": on CPU engines 1 (the forward keeps every core busy; writes take
-    # what it leaves), on accelerators one per core this process may use, at most
-    # MAX_AUTO_WRITE_THREADS (docs/BENCHMARKS.md, "Write-behind throughput").
+    # docs/BENCHMARKS.md), less than a GPU prefills: the rest is postponed and, once the host
+    # tier evicts it, never written. "auto": on CPU engines 1 (the forward keeps every core
+    # busy; writes take what it leaves), on accelerators one per core this process may use, at
+    # most MAX_AUTO_WRITE_THREADS (docs/BENCHMARKS.md, "Write-behind throughput").
     write_threads: int | str = "auto"
     max_disk_write_backlog_bytes: int = 512 << 20
     offload_prompt_only: bool = True

@@ -202,10 +202,10 @@ class RemoteStore:
         return out
 
     def put_many(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> int:
-        frames = self._encode_puts(entries)
-        if frames is None:
+        encoded = self._encode_puts(entries)
+        if encoded is None:
             return 0
-        raw = [memoryview(data).nbytes for _, data, _ in entries]
+        frames, raw = encoded
         # Bounded twice over: a wait for a write connection and the write, each by the deadline.
         ok = self._call(self._send_puts(frames, self._write_deadline), None, 2 * self._write_deadline + 1.0)
         return self._count_puts(raw, frames, ok)
@@ -217,11 +217,11 @@ class RemoteStore:
         thread when nothing is sent. So an idle-priority caller, which a busy CPU may not run
         again for a second, neither holds up the report of a stored write nor waits out the
         round trip (docs/BENCHMARKS.md, "A write is reported when it commits")."""
-        frames = self._encode_puts(entries)
-        if frames is None:
+        encoded = self._encode_puts(entries)
+        if encoded is None:
             done(0)
             return
-        raw = [memoryview(data).nbytes for _, data, _ in entries]
+        frames, raw = encoded
         # No deadline on the wait for a connection: the write-behind bounds what is in flight.
         future = self._submit(self._send_puts(frames, None), None)
         if future is None:
@@ -310,16 +310,19 @@ class RemoteStore:
             for name, n in counts.items():
                 self._counts[name] += n
 
-    def _encode_puts(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> list[tuple[bytes, bytes]] | None:
-        """The server keys and values of ``entries``; None (counted) when nothing is to be sent."""
+    def _encode_puts(self, entries: Sequence[tuple[bytes, Buffer, str]]
+                     ) -> tuple[list[tuple[bytes, bytes]], list[int]] | None:
+        """The server keys and values of ``entries``, and their raw sizes; None (counted) when
+        nothing is to be sent."""
         if not entries:
             return None
         if not self._breaker.up or self._closed:  # before the encoding: nothing will be sent
             self._bump(skipped_unavailable=1, put_failed=len(entries))
             return None
-        return [(self._rkey(key), self._value(key, codec.encode(data, dtype, key=key, level=self._level,
-                                                                mode=self._mode)))
-                for key, data, dtype in entries]
+        frames = [(self._rkey(key), self._value(key, codec.encode(data, dtype, key=key, level=self._level,
+                                                                  mode=self._mode)))
+                  for key, data, dtype in entries]
+        return frames, [memoryview(data).nbytes for _, data, _ in entries]
 
     async def _send_puts(self, frames: list[tuple[bytes, bytes]], slot_wait_s: float | None) -> list[bool]:
         """On the loop: SET the values once a write connection is free (waiting at most
