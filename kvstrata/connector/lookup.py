@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from itertools import compress, repeat
+from operator import is_
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -89,8 +91,10 @@ class LookupMixin:
             answers = list(self.hierarchy.lookup_many(
                 keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered,
                 offered=st.offered, defer_promotions=True))
-            answered.update(k for k, a in zip(keys, answers, strict=True) if a is Presence.HIT)
-            pending.extend(k for k, a in zip(keys, answers, strict=True) if a is Presence.PENDING)
+            # With C-level iteration: a long prompt's probe is hundreds of keys, every step.
+            answered.update(compress(keys, map(is_, answers, repeat(Presence.HIT))))
+            if Presence.PENDING in answers:
+                pending.extend(compress(keys, map(is_, answers, repeat(Presence.PENDING))))
             if self.events is not None and self.events.self_describing:
                 self._record_lookup_hits(st, keys, answers)
             return answers

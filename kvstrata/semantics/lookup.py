@@ -21,17 +21,15 @@ def prefix_run(keys: Sequence[bytes], probe: Probe) -> int | None:
     """
     if not keys:
         return 0
-    hits = 0
-    defer = False
-    for answer in _checked(probe, keys):
-        if answer is Presence.MISS:
-            break
-        if answer is Presence.RETRY:
-            defer = True
-            continue
-        hits += 1
-        defer |= answer is Presence.PENDING
-    return None if defer else hits
+    answers = _checked(probe, keys)
+    # Counted with list operations: a long prompt's run is hundreds of chunks, looked up again
+    # at every step its request waits.
+    try:
+        run = answers.index(Presence.MISS)
+    except ValueError:
+        run = len(answers)
+    head = answers[:run]
+    return None if Presence.PENDING in head or Presence.RETRY in head else run
 
 
 def window_run(
@@ -215,7 +213,7 @@ def _hit_chunk_being_loaded(
         window = geom.load_window_chunks(end)
         if window is not None:
             group_keys = group_keys[-window:]
-        if any(being_loaded(k) for k in group_keys):
+        if any(map(being_loaded, group_keys)):
             return True
     return False
 

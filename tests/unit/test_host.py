@@ -212,6 +212,24 @@ def test_lru_order_follows_touches():
     assert evicted == [keys[1], keys[0]]
     assert pool.evictions == 2
 
+def test_a_lookup_touches_only_its_ready_chunks():
+    evicted: list[bytes] = []
+    pool = HostPool(num_slots=4, policy="lru", on_evict=evicted.extend)
+    ready = [_key(i) for i in range(3)]
+    _fill(pool, ready)
+    landing = _key(7)
+    assert pool.allocate([landing]) is not None  # not ready: a store or promotion in flight
+    # A lookup of the pool's last-used chunk, one it lacks and one landing touches only the
+    # first: ready[1] and ready[2] stay the least recently used, in their order.
+    states = pool.lookup_many([ready[0], _key(9), landing])
+    assert states == [HostPool.READY, HostPool.ABSENT, HostPool.NOT_READY]
+    pool.lookup_many([ready[2], ready[1]], touch=False)  # records nothing
+    pool.mark_ready(landing)
+    pool.release(landing)
+    _fill(pool, [_key(10), _key(11)])
+    assert evicted == [ready[1], ready[2]]
+
+
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_one_allocation_evicts_its_victims_in_one_call(policy: str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import MutableMapping, Sequence
+from itertools import compress
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy.promoter import Promoter
@@ -60,23 +61,31 @@ class Lookup:
         offered: set[bytes] | None = None,
         defer: bool = False,
     ) -> list[Presence]:
-        # Kept to list comprehensions over the keys: this runs on the scheduler's critical path.
+        # Kept to C-level iteration and list comprehensions over the keys: this runs on the
+        # scheduler's critical path, for hundreds of keys every step a long prompt waits.
         s = self.s
         links = s.links
         # Per key, whether this lookup offers it (admission, reuse evidence, the lower tiers'
-        # access order): not if the same request's earlier lookups did (``offered``).
-        fresh = [k not in offered for k in keys] if offered else [True] * len(keys)
+        # access order): not if the same request's earlier lookups did (``offered``), which is
+        # every key when a waiting request is looked up again.
+        if not offered:
+            fresh = [True] * len(keys)
+        elif offered.issuperset(keys):
+            fresh = []
+        else:
+            fresh = [k not in offered for k in keys]
+        any_fresh = True in fresh
         with s.lock:
             if s.closed:
                 return [_MISS] * len(keys)
             host = self.s.pool.lookup_many(keys)
-            states = [_BY_HOST_STATE[h] for h in host]
+            states = list(map(_BY_HOST_STATE.__getitem__, host))
             # Host hits of chunks a lower tier holds: tell the tier they were used, or its LRU
             # (and max_age_s) would evict first the chunks served most often from the host tier.
             used = [[k for k, h, f in zip(keys, host, fresh, strict=True) if f and h == _READY and k in link.resident]
-                    if link.resident else [] for link in links]
+                    if link.resident and any_fresh else [] for link in links]
             streamed = 0  # HIT answers that are promotions in flight (counted as pending)
-            if s.promoting and (promoting is not None or stream):
+            if s.promoting and (promoting is not None or stream) and _NOT_READY in host:
                 landing = [i for i, h in enumerate(host) if h == _NOT_READY and keys[i] in s.promoting]
                 if promoting is not None:
                     promoting.update((keys[i], s.promoting[keys[i]]) for i in landing)
@@ -84,14 +93,17 @@ class Lookup:
                     for i in landing:
                         states[i] = _HIT
                     streamed += len(landing)
-            if count_offers and any(link.admit_after > 1 for link in links):
+            if count_offers and any_fresh and any(link.admit_after > 1 for link in links):
                 admitted = []
                 for k in (k for k, h, f in zip(keys, host, fresh, strict=True) if f and h == _READY):
                     admitted += self.writes.admitted(k, s.offer(k))
                 self.writes.schedule(admitted)
-            bad = s.bad
-            candidates = ([i for i, h in enumerate(host) if h == _ABSENT and (not bad or keys[i] not in bad)]
-                          if links else [])
+            candidates: list[int] = []
+            if links and _ABSENT in host:
+                bad = s.bad
+                candidates = list(compress(range(len(host)), map(_ABSENT.__eq__, host)))
+                if bad:
+                    candidates = [i for i in candidates if keys[i] not in bad]
             if not candidates:
                 self._count(states, streamed)
             if count_offers:  # a request came back for chunks the tiers hold
@@ -101,13 +113,14 @@ class Lookup:
         for link, ks in zip(links, used, strict=True):
             if ks:
                 link.tier.touch_many([ns + k for k in ks for ns in self.s.namespaces])
-        if offered is not None:
+        if offered is not None and any_fresh:
             offered.update(keys)
         if not candidates:
             return states
         source = self.find(keys, candidates, prefix)
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
-                                [i for i in candidates if fresh[i]] if count_offers else None, defer)
+                                ([i for i in candidates if fresh[i]] if any_fresh else [])
+                                if count_offers else None, defer)
         return states
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:

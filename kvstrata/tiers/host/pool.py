@@ -9,13 +9,18 @@ The pool is not thread-safe on its own; ``Hierarchy`` serialises access with its
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence, Set
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence, Set
+from itertools import compress
+from operator import attrgetter
 from typing import TYPE_CHECKING, Literal
 
 from kvstrata.tiers.host.policy import ARC, LRU, Entry, evictable
 
 if TYPE_CHECKING:
     from kvstrata.tiers.host.slab import HostSlab
+
+_is_ready = attrgetter("ready")
 
 
 class HostPool:
@@ -75,14 +80,17 @@ class HostPool:
 
     def lookup_many(self, keys: Sequence[bytes], touch: bool = True) -> list[int]:
         """ABSENT / READY / NOT_READY per key; ``touch`` records an access on READY ones."""
-        get = self._policy.get
-        entries = [get(key) for key in keys]
-        out = [0 if e is None else 1 if e.ready else 2 for e in entries]
+        # With C-level iteration where it can: a long prompt asks for hundreds of keys, every
+        # step its request waits, and most often all of them are ready.
+        entries = list(map(self._policy.get, keys))
+        if None not in entries and all(map(_is_ready, entries)):
+            out = [1] * len(entries)
+            ready: Iterable[bytes] = keys
+        else:
+            out = [0 if e is None else 1 if e.ready else 2 for e in entries]
+            ready = compress(keys, map((1).__eq__, out))
         if touch:
-            touch_fn = self._policy.touch
-            for key, state in zip(keys, out, strict=True):
-                if state == 1:
-                    touch_fn(key)
+            deque(map(self._policy.touch, ready), maxlen=0)
         return out
 
     def get(self, key: bytes) -> tuple[int, bool] | None:
