@@ -53,7 +53,7 @@ from kvstrata.bench.e2e import (
     smollm2,
     stores_parent,
 )
-from kvstrata.config import parse_size
+from kvstrata.config_values import parse_size
 from kvstrata.tools import ttft
 from kvstrata.tools.engine import EngineOptions
 from kvstrata.tools.jobs import JobError, run_job_subprocess

@@ -118,7 +118,7 @@ def _transfer_config(config: str, args: argparse.Namespace, work: Path) -> Any:
     ``--host-bytes`` and its disk under ``work``."""
     from vllm.config import KVTransferConfig
 
-    from kvstrata.config import parse_size
+    from kvstrata.config_values import parse_size
 
     host = parse_size("--host-bytes", args.host_bytes)
     if config == "kvstrata":

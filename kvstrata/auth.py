@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import blake3
 
-from kvstrata.config import ConfigError
+from kvstrata.config_values import ConfigError
 from kvstrata.remote_address import RemoteURLError, parse_remote_url
 
 if TYPE_CHECKING:

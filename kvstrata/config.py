@@ -7,19 +7,17 @@ back to a default.
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from decimal import Decimal
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
+from kvstrata import config_values as values
 from kvstrata import fsmode
-from kvstrata.remote_address import RemoteURLError, parse_remote_url
+from kvstrata.config_values import ConfigError
+from kvstrata.remote_address import parse_remote_url
 
 DEFAULT_STORE_ENV = "KVSTRATA_STORE"
 DEFAULT_HOST_BYTES = 1 << 30
@@ -28,65 +26,17 @@ DEFAULT_DISK_RESERVE = 1 << 30
 MAX_AUTO_IO_THREADS = 4
 MAX_AUTO_WRITE_THREADS = 4
 AUTO_CHUNK_TOKENS = 64  # the least tokens per chunk blocks_per_chunk "auto" aims for
-MAX_SIZE_BYTES = 1 << 60  # 1 EiB: beyond any disk or memory, still a 64-bit count
-
-# Numbers in strings are ASCII only: no Unicode digits ("²", "٤"), "nan", "inf" or underscores.
-_INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
-_SHARE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*", re.ASCII)
-_MAX_RESERVE_SHARE = 50  # per cent of the file system
-_SIZE_RE = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))\s*([a-z]*)\s*", re.ASCII | re.IGNORECASE)
-_SECONDS_RE = re.compile(r"\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?\s*", re.ASCII | re.IGNORECASE)
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "kib": 1 << 10,
-    "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-    "g": 10**9, "gb": 10**9, "gib": 1 << 30,
-    "t": 10**12, "tb": 10**12, "tib": 1 << 40,
-}
-
-
-class ConfigError(ValueError):
-    """A kvstrata option is unknown or has a bad value; the message names the key."""
-
 
 def default_store_path() -> Path:
     """The embedded default store: ``$KVSTRATA_STORE`` or ``~/.cache/kvstrata/store``."""
     env = os.environ.get(DEFAULT_STORE_ENV)
     if env:
         try:
-            return _expand_path(env)
+            return values.expand_path(env)
         except ValueError as exc:
             raise ConfigError(f"${DEFAULT_STORE_ENV}: {exc}") from None
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "kvstrata" / "store"
-
-
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string such as ``"4GiB"`` / ``"512 MB"``, at most 1 EiB."""
-    number: Decimal | None = None
-    unit = ""
-    if isinstance(value, bool):
-        pass
-    elif isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)):
-        number = Decimal(value)
-    elif isinstance(value, str) and (m := _SIZE_RE.fullmatch(value)):
-        number, unit = Decimal(m.group(1)), m.group(2).lower()
-        if unit not in _UNITS:
-            raise ConfigError(f"kvstrata option {key!r}: unknown size unit in {_shown(value)}")
-    if number is None:
-        raise ConfigError(
-            f"kvstrata option {key!r}: expected a byte size (int or e.g. '4GiB'), got {_shown(value)}"
-        )
-    if number < 0:
-        raise ConfigError(f"kvstrata option {key!r}: must not be negative, got {_shown(value)}")
-    if number > Fraction(MAX_SIZE_BYTES, _UNITS[unit]):  # exact, before any arithmetic on it
-        raise ConfigError(
-            f"kvstrata option {key!r}: must be at most {MAX_SIZE_BYTES} bytes (1 EiB), got {_shown(value)}"
-        )
-    size = Fraction(number) * _UNITS[unit]  # exact: no float rounds "1.5GiB" or 2**53 + 1
-    if size.denominator != 1:
-        raise ConfigError(f"kvstrata option {key!r}: not a whole number of bytes: {_shown(value)}")
-    return int(size)
 
 
 @dataclass(frozen=True)
@@ -219,8 +169,7 @@ class StrataConfig:
         be) on. A file system that cannot be examined gets no reserve from a share."""
         if isinstance(self.disk_reserve, int):
             return self.disk_reserve
-        m = _SHARE_RE.fullmatch(self.disk_reserve)
-        assert m is not None  # validated
+        share = values.reserve_share(self.disk_reserve)
         path = store_path
         while not path.exists() and path != path.parent:
             path = path.parent
@@ -228,7 +177,7 @@ class StrataConfig:
             total = shutil.disk_usage(path).total
         except OSError:
             return 0
-        return int(Fraction(m.group(1)) * total / 100)
+        return int(share * total / 100)
 
     def resolve_io_threads(self) -> int:
         """The number of disk read threads (``io_threads``, "auto" resolved here)."""
@@ -275,7 +224,7 @@ class StrataConfig:
         if not isinstance(extra, Mapping):
             raise ConfigError(
                 "kvstrata's kv_connector_extra_config must be a mapping of options, "
-                f"got {type(extra).__name__} {_shown(extra)}"
+                f"got {type(extra).__name__} {values.shown(extra)}"
             )
         extra = dict(extra)
         known = {f.name for f in fields(cls)}
@@ -321,217 +270,43 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _shown(value: Any) -> str:
-    """``repr(value)`` for a message, cut short: a 5000-digit value is not echoed whole."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too long for repr (sys.get_int_max_str_digits)
-        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
-    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} chars)"
-
-
-def _expand_path(value: Any) -> Path:
-    """``value`` as a path with ``~`` expanded; ValueError (the reason) when it cannot be one."""
-    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"expected a directory path, got {_shown(value)}")
-    if "\0" in text:
-        raise ValueError(f"path contains a NUL byte: {_shown(text)}")
-    try:
-        return Path(text).expanduser()
-    except RuntimeError:  # "~user" with no such user, or no home directory
-        raise ValueError(f"cannot expand '~' in {_shown(text)}") from None
-
-
-def _path(key: str, value: Any) -> Path:
-    try:
-        return _expand_path(value)
-    except ValueError as exc:
-        raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
-
-
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.lower() in ("true", "1", "yes")
-    raise ConfigError(f"kvstrata option {key!r}: expected true or false, got {_shown(value)}")
-
-
-def _int_range(lo: int, hi: int) -> Callable[[str, Any], int]:
-    def check(key: str, value: Any) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            number = Decimal(value)
-        elif isinstance(value, str) and _INT_RE.fullmatch(value):
-            number = Decimal(value)  # exact, and no limit on digits as int() has
-        else:
-            raise ConfigError(f"kvstrata option {key!r}: expected an integer, got {_shown(value)}")
-        if not lo <= number <= hi:
-            raise ConfigError(f"kvstrata option {key!r}: must be in [{lo}, {hi}], got {_shown(value)}")
-        return int(number)
-
-    return check
-
-
-def _choice(*choices: str) -> Callable[[str, Any], str]:
-    def check(key: str, value: Any) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise ConfigError(
-                f"kvstrata option {key!r}: expected one of {list(choices)}, got {_shown(value)}"
-            )
-        return value
-
-    return check
-
-
-def _admission(key: str, value: Any) -> int:
-    # "all" admits every chunk to disk; N admits a chunk once it was offered N times (SSD wear).
-    if value == "all":
-        return 1
-    return _admission_count(key, value)
-
-
-_admission_count = _int_range(1, 2**31 - 1)
-
-
-def _optional_seconds(key: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    seconds = math.nan
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int beyond any float
-            seconds = math.inf
-    elif isinstance(value, str) and _SECONDS_RE.fullmatch(value):
-        seconds = float(value)  # "1e400" -> inf, "1e-400" -> 0.0: both refused below
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(
-            f"kvstrata option {key!r}: expected a positive finite number of seconds or null, "
-            f"got {_shown(value)}"
-        )
-    return seconds
-
-
-def _optional_path(key: str, value: Any) -> Path | None:
-    return None if value is None else _path(key, value)
-
-
-def _auto_or(validate: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
-    def check(key: str, value: Any) -> Any:
-        if value == "auto":
-            return "auto"
-        try:
-            return validate(key, value)
-        except ConfigError as exc:
-            raise ConfigError(f"{exc} (or \"auto\")") from None
-
-    return check
-
-
 _VALIDATORS = {
-    "store_path": _path,
-    "host_bytes": lambda k, v: _min_size(k, v, 1 << 20),
-    "disk_bytes": lambda k, v: _min_size(k, v, 1 << 20),
-    "disk_reserve": lambda k, v: _reserve(k, v),
-    "disk": _bool,
-    "blocks_per_chunk": _auto_or(_int_range(1, 4096)),
-    "codec": _choice("auto", "raw"),
-    "zstd_level": _int_range(1, 22),
-    "admission": _admission,
-    "eviction": _choice("lru", "arc"),
-    "prefetch_concurrency": _int_range(1, 256),
-    "io_threads": _auto_or(_int_range(1, 64)),
-    "write_threads": _auto_or(_int_range(1, 64)),
-    "max_disk_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),
-    "offload_prompt_only": _bool,
-    "max_age_s": _optional_seconds,
-    "host_shm_dir": _optional_path,
-    "stream_loads": _auto_or(_bool),
-    "sync_loads": _auto_or(_bool),
-    "python_switch_interval_s": _optional_seconds,
-    "self_describing_kv_events": _bool,
-    "warm_start_bytes": parse_size,
-    "background_priority": _choice("auto", "idle", "normal"),
-    "shutdown_write_timeout_s": _optional_seconds,
-    "remote_url": lambda k, v: _remote_url(k, v),
-    "remote_connect_timeout_s": lambda k, v: _seconds(k, v),
-    "remote_timeout_s": lambda k, v: _seconds(k, v),
-    "remote_write_timeout_s": lambda k, v: _seconds(k, v),
-    "remote_probe_interval_s": lambda k, v: _seconds(k, v),
-    "remote_max_connections": _int_range(1, 1024),
-    "remote_admission": _admission,
-    "remote_write_backlog_bytes": lambda k, v: _min_size(k, v, 1 << 20),
-    "remote_ttl_s": _optional_seconds,
-    "store_mode": lambda k, v: _mode(k, v),
-    "auth_key_file": lambda k, v: _optional_file(k, v),
-    "remote_auth_key_file": lambda k, v: _optional_file(k, v),
-    "remote_password_file": lambda k, v: _optional_file(k, v),
-    "remote_tls_ca_file": lambda k, v: _optional_file(k, v),
+    "store_path": values.as_path,
+    "host_bytes": lambda k, v: values.min_size(k, v, 1 << 20),
+    "disk_bytes": lambda k, v: values.min_size(k, v, 1 << 20),
+    "disk_reserve": values.disk_reserve,
+    "disk": values.as_bool,
+    "blocks_per_chunk": values.auto_or(values.int_range(1, 4096)),
+    "codec": values.choice("auto", "raw"),
+    "zstd_level": values.int_range(1, 22),
+    "admission": values.admission,
+    "eviction": values.choice("lru", "arc"),
+    "prefetch_concurrency": values.int_range(1, 256),
+    "io_threads": values.auto_or(values.int_range(1, 64)),
+    "write_threads": values.auto_or(values.int_range(1, 64)),
+    "max_disk_write_backlog_bytes": lambda k, v: values.min_size(k, v, 1 << 20),
+    "offload_prompt_only": values.as_bool,
+    "max_age_s": values.optional_seconds,
+    "host_shm_dir": values.optional_path,
+    "stream_loads": values.auto_or(values.as_bool),
+    "sync_loads": values.auto_or(values.as_bool),
+    "python_switch_interval_s": values.optional_seconds,
+    "self_describing_kv_events": values.as_bool,
+    "warm_start_bytes": values.parse_size,
+    "background_priority": values.choice("auto", "idle", "normal"),
+    "shutdown_write_timeout_s": values.optional_seconds,
+    "remote_url": values.remote_url,
+    "remote_connect_timeout_s": values.positive_seconds,
+    "remote_timeout_s": values.positive_seconds,
+    "remote_write_timeout_s": values.positive_seconds,
+    "remote_probe_interval_s": values.positive_seconds,
+    "remote_max_connections": values.int_range(1, 1024),
+    "remote_admission": values.admission,
+    "remote_write_backlog_bytes": lambda k, v: values.min_size(k, v, 1 << 20),
+    "remote_ttl_s": values.optional_seconds,
+    "store_mode": values.dir_mode,
+    "auth_key_file": values.optional_file,
+    "remote_auth_key_file": values.optional_file,
+    "remote_password_file": values.optional_file,
+    "remote_tls_ca_file": values.optional_file,
 }
-
-
-def _optional_file(key: str, value: Any) -> Path | None:
-    """A path to a file holding a secret (or a CA bundle), or null; a secret itself is refused
-    in so far as it cannot be a path. The file is read at start-up (kvstrata.auth)."""
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip() or "\0" in os.fspath(value):
-        raise ConfigError(f"kvstrata option {key!r}: expected the path of a file, got a {type(value).__name__}")
-    return Path(os.fspath(value)).expanduser()
-
-
-def _mode(key: str, value: Any) -> int:
-    """A directory mode: an octal string ("0750", "750", "0o750") or an int (0o750)."""
-    mode: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        mode = value
-    elif isinstance(value, str) and re.fullmatch(r"(?:0o?)?[0-7]{3}", value.strip(), re.ASCII):
-        mode = int(value.strip().removeprefix("0o"), 8)
-    if mode is None:
-        raise ConfigError(f"kvstrata option {key!r}: expected an octal mode such as \"0750\", got {_shown(value)}")
-    try:
-        return fsmode.check_dir_mode(mode)
-    except ValueError as exc:
-        raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
-
-
-def _seconds(key: str, value: Any) -> float:
-    try:
-        seconds = None if value is None else _optional_seconds(key, value)
-    except ConfigError:
-        seconds = None
-    if seconds is None:
-        raise ConfigError(
-            f"kvstrata option {key!r}: expected a positive finite number of seconds, got {_shown(value)}")
-    return seconds
-
-
-def _remote_url(key: str, value: Any) -> str | None:
-    """A ``redis://``, ``rediss://``, ``valkey://`` or ``redis+cluster://`` URL, or null (off).
-    Parsed here only to refuse a bad one at start-up (remote_address.py)."""
-    if value is None:
-        return None
-    try:
-        parse_remote_url(value)
-    except RemoteURLError as exc:
-        raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
-    return str(value).strip()
-
-
-def _reserve(key: str, value: Any) -> int | str:
-    """A byte size, or a share of the file system such as "5%" (at most 50 %)."""
-    if isinstance(value, str) and "%" in value:
-        m = _SHARE_RE.fullmatch(value)
-        if m is None or Fraction(m.group(1)) > _MAX_RESERVE_SHARE:
-            raise ConfigError(f"kvstrata option {key!r}: expected a byte size or a share from 0% to "
-                              f"{_MAX_RESERVE_SHARE}% of the file system, got {_shown(value)}")
-        return value.strip()
-    return parse_size(key, value)
-
-
-def _min_size(key: str, value: Any, minimum: int) -> int:
-    size = parse_size(key, value)
-    if size < minimum:
-        raise ConfigError(f"kvstrata option {key!r}: must be at least {minimum} bytes, got {value!r}")
-    return size

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import parse_size
+from kvstrata.config_values import parse_size
 from kvstrata.tools.engine import EngineOptions, store_summary
 from kvstrata.tools.jobs import JobError
 from kvstrata.tools.models import (
@@ -85,7 +85,8 @@ def json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object of kvstrata options")
-    from kvstrata.config import ConfigError, StrataConfig
+    from kvstrata.config import StrataConfig
+    from kvstrata.config_values import ConfigError
 
     try:  # the engine would refuse it minutes later; say so now
         StrataConfig.from_extra_config(value)

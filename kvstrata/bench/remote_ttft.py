@@ -42,7 +42,7 @@ def _served(step: dict[str, Any]) -> dict[str, Any]:
 def first_token(url: str, args: argparse.Namespace, tokens: int,
                 say: Callable[[str], None]) -> dict[str, Any]:
     from kvstrata.bench.e2e import smollm2, stores_parent
-    from kvstrata.config import parse_size
+    from kvstrata.config_values import parse_size
     from kvstrata.tools import ttft
     from kvstrata.tools.cli import CLIError
     from kvstrata.tools.corpus import chat_prompt

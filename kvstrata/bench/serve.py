@@ -26,7 +26,7 @@ from kvstrata.bench.configs import CONFIGS, BaseSettings, build_setup, min_kv_ca
 from kvstrata.bench.e2e import json_object
 from kvstrata.bench.peers import PeerUnavailable
 from kvstrata.bench.workload import WorkloadError, WorkloadSpec, build_workload
-from kvstrata.config import ConfigError, parse_size
+from kvstrata.config_values import ConfigError, parse_size
 
 DEFAULT_OUT = "kvstrata-bench-serve"
 

@@ -27,7 +27,8 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvstrata.config import AUTO_CHUNK_TOKENS, ConfigError, StrataConfig
+from kvstrata.config import AUTO_CHUNK_TOKENS, StrataConfig
+from kvstrata.config_values import ConfigError
 from kvstrata.connector import keys as keymod
 from kvstrata.semantics import GroupGeometry, GroupKind, Layout
 

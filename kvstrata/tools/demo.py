@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import default_store_path, parse_size
+from kvstrata.config import default_store_path
+from kvstrata.config_values import parse_size
 from kvstrata.tools.engine import store_summary
 from kvstrata.tools.jobs import JobError
 from kvstrata.tools.models import (

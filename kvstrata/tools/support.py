@@ -15,7 +15,7 @@ from typing import Any
 
 import lmdb
 
-from kvstrata.config import ConfigError, parse_size
+from kvstrata.config_values import ConfigError, parse_size
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore, StoreFormatError, StoreUnavailableError
 from kvstrata.tools.cli import CLIError

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from strata_harness import G, Runner, write_model_dir
 
-from kvstrata.config import ConfigError
+from kvstrata.config_values import ConfigError
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore
 

@@ -15,7 +15,8 @@ import pytest
 from redis_server import PasswordRedisServer, TLSRedisServer, make_ca
 
 from kvstrata.auth import REMOTE_AUTH_KEY_ENV, REMOTE_PASSWORD_ENV, read_secrets
-from kvstrata.config import ConfigError, StrataConfig
+from kvstrata.config import StrataConfig
+from kvstrata.config_values import ConfigError
 from kvstrata.presence import Presence
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tiers.hierarchy import Hierarchy

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.config import ConfigError, StrataConfig
+from kvstrata.config import StrataConfig
+from kvstrata.config_values import ConfigError
 from kvstrata.remote_address import RemoteAddress, RemoteURLError, parse_remote_url
 from kvstrata.tiers.remote import RemoteStore
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.config import ConfigError, StrataConfig, default_store_path, parse_size
+from kvstrata.config import StrataConfig, default_store_path
+from kvstrata.config_values import ConfigError, parse_size
 
 
 def test_defaults_need_no_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -2,8 +2,8 @@
 another module's private names.
 
 Layers, top to bottom: ``bench`` (the benchmarks) -> ``tools`` (the CLI) -> ``compaction`` ->
-``connector`` (the vLLM adapter) -> ``tiers`` -> the base (``semantics``, ``config``,
-``presence``: pure Python). A module may
+``connector`` (the vLLM adapter) -> ``tiers`` -> the base (``semantics``, ``config`` and
+``config_values``, ``presence``: pure Python). A module may
 import its own layer and those below it. Imports inside functions count too (they are the way a
 module defers an expensive import, not a way around the layering).
 """
@@ -17,7 +17,7 @@ import kvstrata
 
 ROOT = Path(kvstrata.__file__).parent
 LAYERS = {"bench": 5, "tools": 4, "compaction": 3, "connector": 2, "tiers": 1, "semantics": 0,
-          "config": 0, "presence": 0, "remote_address": 0, "auth": 0, "fsmode": 0}
+          "config": 0, "config_values": 0, "presence": 0, "remote_address": 0, "auth": 0, "fsmode": 0}
 
 
 def _modules() -> dict[str, Path]:

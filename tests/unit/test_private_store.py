@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.config import ConfigError, StrataConfig
+from kvstrata.config import StrataConfig
+from kvstrata.config_values import ConfigError
 from kvstrata.fsmode import warn_if_readable
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk import DiskStore

@@ -23,7 +23,7 @@ def test_stream_loads_true_under_the_fail_policy_is_refused_before_the_store_ope
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvstrata.config import ConfigError
+    from kvstrata.config_values import ConfigError
     from kvstrata.connector.connector import StrataConnector
 
     store = tmp_path / "never-opened"
@@ -55,7 +55,7 @@ def test_unsupported_parallelism_is_refused_naming_it(model_dir: Path, tmp_path:
 
 
 def test_unknown_option_is_an_error_naming_it(model_dir: Path, tmp_path: Path) -> None:
-    from kvstrata.config import ConfigError
+    from kvstrata.config_values import ConfigError
 
     with pytest.raises(ConfigError, match="hots_bytes"):
         Runner([G("full", 16)], model_dir, tmp_path / "s", extra={"hots_bytes": 1})
@@ -116,7 +116,7 @@ def test_a_host_tier_its_shared_memory_cannot_hold_is_a_clear_error(runners, tmp
     the file system's ENOSPC alone. Needs root for a small tmpfs (skipped otherwise)."""
     import os
 
-    from kvstrata.config import ConfigError
+    from kvstrata.config_values import ConfigError
 
     shm = tmpfs("8m")
     with pytest.raises(ConfigError, match=r"host tier needs 64 MiB in .*, which has [0-9]+ MiB "
