@@ -1,0 +1,252 @@
+"""What a busy Python thread in the engine-core process does to kvstrata's disk reads and writes.
+
+kvstrata's tiers run in vLLM's engine-core process (the scheduler side): its read threads decode
+chunks from LMDB into the host slab (a promotion: what a disk hit's first token waits for), its
+write threads compress chunks for the disk. Their C calls (zstd, numpy, xxh3, LMDB) release the
+GIL, and each time they want it back they wait for the engine core's own Python threads to let
+go of it: up to Python's switch interval (kvstrata sets 0.5 ms, ``python_switch_interval_s``;
+Python's default is 5 ms). On a GPU server the engine core's step loop is such a thread.
+
+This measures, on a real LMDB store and host slab, for each switch interval: a thread reading
+chunks into slab slots (``DiskStore.get_into``) and one encoding them (the codec a write runs),
+alone and beside a busy pure-Python thread (the step loop's stand-in); and the same reads and
+encodes done by a child process on the same store and slab, the parent's thread only sending
+a batch of chunk indices and waiting for the answer (what moving the codec out of the
+engine-core process would give). Reports GB/s of raw KV and the busy thread's rate against running alone.
+One JSON object on stdout.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.gil_contention
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstrata.tiers import codec
+from kvstrata.tiers.disk import DiskStore
+from kvstrata.tiers.host import HostSlab
+
+DTYPE = "bfloat16"
+ANSWER_TIMEOUT_S = 60.0  # the child's answer to one chunk, far beyond any read or encode
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="bytes per chunk (default 4 MiB)")
+    p.add_argument("--chunks", type=int, default=16, help="distinct chunks stored and read round-robin")
+    p.add_argument("--seconds", type=float, default=2.0, help="seconds per measurement")
+    p.add_argument("--batch", type=int, default=8,
+                   help="chunks per message to the child process (a promotion job reads up to 16)")
+    p.add_argument("--switch-intervals", default="0.005,0.0005",
+                   help="comma-separated sys.setswitchinterval values (seconds)")
+    p.add_argument("--dir", help="where the store and slab go (default: a temporary directory here)")
+    args = p.parse_args(argv)
+    try:
+        args.intervals = [float(s) for s in args.switch_intervals.split(",")]
+    except ValueError:
+        p.error(f"--switch-intervals: comma-separated seconds, not {args.switch_intervals!r}")
+    if (args.chunk_bytes < 2 or args.chunk_bytes % 2 or args.chunks < 1 or args.seconds <= 0
+            or args.batch < 1 or not args.intervals or min(args.intervals) <= 0):
+        p.error("--chunk-bytes even, --chunks, --seconds, --batch and --switch-intervals positive")
+    return args
+
+
+def kv_like(rng: np.random.Generator, nbytes: int) -> np.ndarray:
+    """bf16 values drawn like KV (normal, small), as bytes: they compress as KV does."""
+    values = (rng.standard_normal(nbytes // 2) * 0.5).astype(np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+class Busy:
+    """A pure-Python loop on its own thread: the engine core's step loop stand-in."""
+
+    def __init__(self) -> None:
+        self.iterations = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy", daemon=True)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            for _ in range(1000):
+                n += 1
+            self.iterations = n
+
+    def __enter__(self) -> Busy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def busy_rate(seconds: float) -> float:
+    """Iterations a second of the busy loop with nothing beside it."""
+    with Busy() as busy:
+        time.sleep(seconds)
+        return busy.iterations / seconds
+
+
+def timed(op: Callable[[int], None], seconds: float, nbytes: int, busy: bool) -> tuple[float, float | None]:
+    """(GB/s of ``op(i)`` for i = 0, 1, ... on a thread of its own, the busy loop's iterations a
+    second beside it or None)."""
+    done = [0]
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                op(i)
+                i += 1
+        except BaseException as exc:  # raised again in the caller's thread
+            failed.append(exc)
+        done[0] = i
+
+    worker = threading.Thread(target=run, name="op")
+    if busy:
+        with Busy() as loop:
+            start = time.perf_counter()
+            worker.start()
+            time.sleep(seconds)
+            stop.set()
+            worker.join()
+            elapsed = time.perf_counter() - start
+            rate: float | None = loop.iterations / elapsed
+    else:
+        start = time.perf_counter()
+        worker.start()
+        time.sleep(seconds)
+        stop.set()
+        worker.join()
+        elapsed = time.perf_counter() - start
+        rate = None
+    if failed:
+        raise failed[0]
+    return done[0] * nbytes / elapsed / 1e9, rate
+
+
+def child(store_path: str, slab_path: str, chunk_bytes: int, chunks: int, conn: Connection) -> None:
+    """The child process: reads (or encodes) the chunks each message names; answers whether
+    every one was there."""
+    store = DiskStore(store_path, budget_bytes=1 << 30, readonly=True)  # no budget to keep: read-only
+    slab = HostSlab(slab_path, chunk_bytes, chunks, create=False)
+    try:
+        while (msg := conn.recv()) is not None:
+            what, first, n = msg
+            ok = True
+            for i in range(first, first + n):
+                out = slab.view(i % chunks, 0, chunk_bytes)
+                if what == "read":
+                    ok &= store.get_into(key(i % chunks), out) is not None
+                else:
+                    codec.encode(out, DTYPE, key=key(i % chunks))
+            conn.send(ok)
+    finally:
+        slab.close()
+        store.close()
+
+
+def measure(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    store_path, slab_path = root / "store", slab_dir / "slab"
+    store = DiskStore(store_path, budget_bytes=4 * args.chunks * args.chunk_bytes + (64 << 20))
+    slab = HostSlab(slab_path, args.chunk_bytes, args.chunks)
+    ctx = mp.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    proc = ctx.Process(target=child, args=(str(store_path), str(slab_path), args.chunk_bytes, args.chunks,
+                                           child_end), daemon=True)
+    try:
+        for i in range(args.chunks):
+            store.put_many([(key(i), kv_like(rng, args.chunk_bytes), DTYPE)])
+            slab.slot(i)[:] = kv_like(rng, args.chunk_bytes)
+        proc.start()
+
+        def remote(what: str) -> Callable[[int], None]:
+            def op(i: int) -> None:
+                parent.send((what, i * args.batch, args.batch))
+                if not parent.poll(ANSWER_TIMEOUT_S) or not parent.recv():  # EOFError if it died
+                    raise RuntimeError(f"the child's {what} of chunks from {i * args.batch % args.chunks} failed")
+            return op
+
+        def read(i: int) -> None:
+            if store.get_into(key(i % args.chunks), slab.view(i % args.chunks, 0, args.chunk_bytes)) is None:
+                raise RuntimeError(f"chunk {i % args.chunks} is not in the store")
+
+        def encode(i: int) -> None:
+            codec.encode(slab.view(i % args.chunks, 0, args.chunk_bytes), DTYPE, key=key(i % args.chunks))
+
+        remote("read")(0)  # the child is up
+        out: dict[str, Any] = {}
+        previous = sys.getswitchinterval()
+        try:
+            for interval in args.intervals:
+                sys.setswitchinterval(interval)
+                alone = busy_rate(args.seconds)
+                row: dict[str, Any] = {"busy_iterations_per_s": round(alone)}
+                for name, local in (("read", read), ("encode", encode)):
+                    thread_alone, _ = timed(local, args.seconds, args.chunk_bytes, busy=False)
+                    thread_beside, rate_thread = timed(local, args.seconds, args.chunk_bytes, busy=True)
+                    process_beside, rate_process = timed(remote(name), args.seconds,
+                                                         args.batch * args.chunk_bytes, busy=True)
+                    assert rate_thread is not None and rate_process is not None
+                    row[name] = {
+                        "thread_alone_gbps": round(thread_alone, 3),
+                        "thread_beside_busy_gbps": round(thread_beside, 3),
+                        "process_beside_busy_gbps": round(process_beside, 3),
+                        "thread_beside_vs_alone": round(thread_beside / thread_alone, 3),
+                        "process_beside_vs_thread_beside": round(process_beside / thread_beside, 3),
+                        "busy_rate_vs_alone": {"thread": round(rate_thread / alone, 3),
+                                               "process": round(rate_process / alone, 3)},
+                    }
+                out[f"{interval:g}"] = row
+        finally:
+            sys.setswitchinterval(previous)
+        return out
+    finally:
+        if proc.is_alive():
+            parent.send(None)
+            proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        parent.close()
+        slab.close()
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="gil-contention-", dir=args.dir))
+    # The slab in shared memory, as the host tier's (HostSlab's default place).
+    slab_dir = Path(tempfile.mkdtemp(prefix="gil-contention-", dir="/dev/shm" if Path("/dev/shm").is_dir() else root))
+    try:
+        intervals = measure(args, root, slab_dir)
+    finally:
+        shutil.rmtree(slab_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({"chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "seconds": args.seconds,
+                      "batch": args.batch, "switch_intervals": intervals}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""``benchmarks/gil_contention.py``: its options, and one short run (two small chunks, one switch
+interval) that checks the child process reads and encodes the store's chunks and every figure is
+reported. Its speeds are the experiment's output, never asserted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from usage_helper import refusal
+
+from benchmarks import gil_contention
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--switch-intervals", "fast"], "--switch-intervals: comma-separated seconds, not 'fast'"),
+    *[(argv, "--chunk-bytes even, --chunks, --seconds, --batch and --switch-intervals positive")
+      for argv in (["--chunk-bytes", "3"], ["--chunks", "0"], ["--seconds", "0"], ["--batch", "0"],
+                   ["--switch-intervals", "0.001,0"])],
+])
+def test_bad_options_name_what_is_wrong(argv, says, capsys) -> None:
+    assert says in refusal(gil_contention.parse_args, argv, capsys)
+
+
+def test_a_short_run_reports_every_figure(tmp_path: Path, capsys) -> None:
+    interval = sys.getswitchinterval()
+    code = gil_contention.main(["--chunk-bytes", str(64 << 10), "--chunks", "2", "--seconds", "0.2",
+                                "--batch", "2", "--switch-intervals", "0.001", "--dir", str(tmp_path)])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["batch"] == 2 and result["chunk_bytes"] == 64 << 10
+    row = result["switch_intervals"]["0.001"]
+    assert row["busy_iterations_per_s"] > 0
+    for op in ("read", "encode"):
+        figures = row[op]
+        # The child answers only when every chunk it was sent was in the store: a rate above
+        # zero means its reads found them.
+        for name in ("thread_alone_gbps", "thread_beside_busy_gbps", "process_beside_busy_gbps"):
+            assert figures[name] > 0, name
+        assert set(figures["busy_rate_vs_alone"]) == {"thread", "process"}
+    assert sys.getswitchinterval() == interval  # restored
+    assert list(tmp_path.iterdir()) == []  # its store is removed
