@@ -11,9 +11,10 @@ This measures, on a real LMDB store and host slab, for each switch interval: a t
 chunks into slab slots (``DiskStore.get_into``) and one encoding them (the codec a write runs),
 alone and beside a busy pure-Python thread (the step loop's stand-in); and the same reads and
 encodes done by a child process on the same store and slab, the parent's thread only sending
-a batch of chunk indices and waiting for the answer (what moving the codec out of the
-engine-core process would give). Reports GB/s of raw KV and the busy thread's rate against running alone.
-One JSON object on stdout.
+a batch of chunk indices and waiting for the answer; and promotions by a real hierarchy (host
+pool + that store: a lookup's chunks read into host slots and landed) with its reads in its
+threads and in ``read_processes``. Reports GB/s of raw KV and the busy thread's rate against
+running alone. One JSON object on stdout.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.gil_contention
 """
@@ -37,7 +38,8 @@ import numpy as np
 
 from kvstrata.tiers import codec
 from kvstrata.tiers.disk import DiskStore
-from kvstrata.tiers.host import HostSlab
+from kvstrata.tiers.hierarchy import Hierarchy
+from kvstrata.tiers.host import HostPool, HostSlab
 
 DTYPE = "bfloat16"
 ANSWER_TIMEOUT_S = 60.0  # the child's answer to one chunk, far beyond any read or encode
@@ -48,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="bytes per chunk (default 4 MiB)")
     p.add_argument("--chunks", type=int, default=16, help="distinct chunks stored and read round-robin")
     p.add_argument("--seconds", type=float, default=2.0, help="seconds per measurement")
+    p.add_argument("--read-processes", type=int, default=2,
+                   help="the hierarchy's read_processes (and read threads) for its promotions")
     p.add_argument("--batch", type=int, default=8,
                    help="chunks per message to the child process (a promotion job reads up to 16)")
     p.add_argument("--switch-intervals", default="0.005,0.0005",
@@ -59,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--switch-intervals: comma-separated seconds, not {args.switch_intervals!r}")
     if (args.chunk_bytes < 2 or args.chunk_bytes % 2 or args.chunks < 1 or args.seconds <= 0
-            or args.batch < 1 or not args.intervals or min(args.intervals) <= 0):
-        p.error("--chunk-bytes even, --chunks, --seconds, --batch and --switch-intervals positive")
+            or args.batch < 1 or args.read_processes < 1 or not args.intervals or min(args.intervals) <= 0):
+        p.error("--chunk-bytes even, --chunks, --seconds, --batch, --read-processes and "
+                "--switch-intervals positive")
     return args
 
 
@@ -166,6 +171,66 @@ def child(store_path: str, slab_path: str, chunk_bytes: int, chunks: int, conn: 
         store.close()
 
 
+NS = b"gil-contention-ns"  # the hierarchy's one namespace (one shard per chunk)
+
+
+def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
+    """Per switch interval and ``read_processes`` (0, then ``--read-processes``): GB/s of a real
+    hierarchy promoting every chunk of its disk into its host tier (one lookup's worth, waited
+    for, then the host tier reset), alone and beside the busy thread."""
+    rng = np.random.default_rng(1)
+    keys = [i.to_bytes(32, "big") + bytes(4) for i in range(args.chunks)]  # group 0
+    disk = DiskStore(root / "hierarchy-store", budget_bytes=4 * args.chunks * args.chunk_bytes + (64 << 20))
+    slabs: list[HostSlab] = []
+    made: list[Hierarchy] = []
+    try:
+        disk.put_many([(NS + k, kv_like(rng, args.chunk_bytes), DTYPE) for k in keys])
+        nbytes = args.chunks * args.chunk_bytes
+
+        def hierarchy(processes: int) -> Hierarchy:
+            slabs.append(HostSlab(slab_dir / f"hierarchy-slab-{processes}", args.chunk_bytes, args.chunks))
+            h = Hierarchy(HostPool(slabs[-1]), disk, namespaces=[NS], group_shard_bytes=[args.chunk_bytes],
+                          group_dtypes=[DTYPE], read_threads=args.read_processes,
+                          max_concurrent_reads=args.read_processes, read_processes=processes)
+            made.append(h)
+            return h
+
+        # Threads first: once the store has read processes it keeps them (a hierarchy asking
+        # for none reads in its threads all the same).
+        by_processes = {0: hierarchy(0), args.read_processes: hierarchy(args.read_processes)}
+        out: dict[str, Any] = {}
+        previous = sys.getswitchinterval()
+        try:
+            for interval in args.intervals:
+                sys.setswitchinterval(interval)
+                row: dict[str, Any] = {}
+                for processes, h in by_processes.items():
+                    def promote_all(i: int, h: Hierarchy = h) -> None:
+                        h.promote(keys)
+                        if not h.wait_promotions(keys, ANSWER_TIMEOUT_S) or not h.reset():
+                            raise RuntimeError("the promotions did not land")
+                    alone, _ = timed(promote_all, args.seconds, nbytes, busy=False)
+                    beside, rate = timed(promote_all, args.seconds, nbytes, busy=True)
+                    failed = h.stats()["promotions_failed"]
+                    if failed:
+                        raise RuntimeError(f"{failed} promotion(s) failed")
+                    row[f"read_processes_{processes}"] = {"alone_gbps": round(alone, 3),
+                                                          "beside_busy_gbps": round(beside, 3)}
+                row["processes_vs_threads_beside_busy"] = round(
+                    row[f"read_processes_{args.read_processes}"]["beside_busy_gbps"]
+                    / row["read_processes_0"]["beside_busy_gbps"], 3)
+                out[f"{interval:g}"] = row
+        finally:
+            sys.setswitchinterval(previous)
+        return out
+    finally:
+        for h in made:
+            h.close()
+        disk.close()  # its read processes first: they map a slab
+        for slab in slabs:
+            slab.close()
+
+
 def measure(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     store_path, slab_path = root / "store", slab_dir / "slab"
@@ -240,11 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     slab_dir = Path(tempfile.mkdtemp(prefix="gil-contention-", dir="/dev/shm" if Path("/dev/shm").is_dir() else root))
     try:
         intervals = measure(args, root, slab_dir)
+        promoted = promotions(args, root, slab_dir)
     finally:
         shutil.rmtree(slab_dir, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({"chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "seconds": args.seconds,
-                      "batch": args.batch, "switch_intervals": intervals}, indent=1))
+                      "batch": args.batch, "read_processes": args.read_processes,
+                      "switch_intervals": intervals, "promotions": promoted}, indent=1))
     return 0
 
 

@@ -76,6 +76,13 @@ class StrataConfig:
     # busy; writes take what it leaves), on accelerators one per core this process may use, at
     # most MAX_AUTO_WRITE_THREADS (docs/BENCHMARKS.md, "Write-behind throughput").
     write_threads: int | str = "auto"
+    # Processes reading the disk tier's promotions straight into the host slab (LMDB read,
+    # decode, checksum), off the engine-core process's GIL: beside a busy Python thread a read
+    # thread keeps a third of its speed, a process 0.92x (docs/BENCHMARKS.md, "The tiers'
+    # threads beside a busy Python thread"). 0: the io_threads read in this process. "auto": 0
+    # on CPU engines (the forward keeps the cores; the engine core's thread mostly waits for
+    # it), one per read thread on accelerators, whose engine core keeps a thread busy.
+    read_processes: int | str = "auto"
     max_disk_write_backlog_bytes: int = 512 << 20
     offload_prompt_only: bool = True
     max_age_s: float | None = None
@@ -191,6 +198,12 @@ class StrataConfig:
             return 1 if device_type == "cpu" else max(1, min(MAX_AUTO_WRITE_THREADS, usable_cpus()))
         return int(self.write_threads)
 
+    def resolve_read_processes(self, device_type: str) -> int:
+        """Disk read processes for an engine on ``device_type`` (``read_processes``)."""
+        if self.read_processes == "auto":
+            return 0 if device_type == "cpu" else self.resolve_io_threads()
+        return int(self.read_processes)
+
     def resolve_sync_loads(self, device_type: str, num_kv_cache_groups: int) -> bool:
         """Whether hits are loaded in the step that computes them (``sync_loads``)."""
         if num_kv_cache_groups != 1:
@@ -284,6 +297,7 @@ _VALIDATORS = {
     "prefetch_concurrency": values.int_range(1, 256),
     "io_threads": values.auto_or(values.int_range(1, 64)),
     "write_threads": values.auto_or(values.int_range(1, 64)),
+    "read_processes": values.auto_or(values.int_range(0, 64)),
     "max_disk_write_backlog_bytes": lambda k, v: values.min_size(k, v, 1 << 20),
     "offload_prompt_only": values.as_bool,
     "max_age_s": values.optional_seconds,

@@ -152,6 +152,7 @@ def build_hierarchy(
         max_concurrent_reads=cfg.prefetch_concurrency,
         read_threads=cfg.resolve_io_threads(),
         write_threads=cfg.resolve_write_threads(device_type),
+        read_processes=cfg.resolve_read_processes(device_type),
         events=events,
         idle_writes=priority in ("auto", "idle"),
         urgent_writes=priority == "auto",

@@ -146,6 +146,10 @@ TIGHT_HOST = Restart("tight_host", host_bytes=1 << 20)
 # served from the host tier.
 WARM_START = Restart("warm_start", {"warm_start_bytes": HOST_BYTES},
                      steps=({"op": "wait_warm_start", "timeout_s": JOB_TIMEOUT_S},))
+# Disk reads in processes of the disk tier's own (read_processes: "auto" starts them only on
+# accelerators): a restarted engine, its host tier empty, so the round's chunks come from disk
+# through them.
+READ_PROCESSES = Restart("read_processes", {"read_processes": 2})
 # Asynchronous loads on a one-group model (CPU engines load synchronously by default,
 # accelerators asynchronously): the request waits for its load to be reported, then runs.
 ASYNC_LOADS = Restart("async_loads", {"sync_loads": False})
@@ -157,7 +161,8 @@ FP32 = {"dtype": "float32"}
 
 CASES: dict[str, ModelCase] = {
     "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), engine=FP32,
-                       serves_prompt_tails=True, restarts=(TIGHT_HOST, WARM_START, ASYNC_LOADS)),
+                       serves_prompt_tails=True,
+                       restarts=(TIGHT_HOST, WARM_START, ASYNC_LOADS, READ_PROCESSES)),
     # Under vLLM's default kv_load_failure_policy ("fail") kvstrata does not stream: every chunk
     # is read and verified before a hit is answered, so the corrupt record is a plain miss.
     # Chunks of two blocks, and decoded tokens stored too (multi-turn follow-ups reuse them).

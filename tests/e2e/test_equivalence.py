@@ -56,7 +56,7 @@ def test_served_equals_recomputed(scenarios: Callable[[str], Scenario], case: st
         # The tier each round serves from: after a restart nothing is in the host tier until
         # kvstrata brings it up from disk, so those rounds' hits were promoted from disk.
         tiers = {t for v in verdicts for t in v.served_by_tier}
-        if round_name in ("disk", "tight_host"):
+        if round_name in ("disk", "tight_host", "read_processes"):
             assert "disk" in tiers, summary(verdicts)
         if round_name == "host":
             assert tiers == {"host"}, summary(verdicts)

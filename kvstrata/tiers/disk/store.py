@@ -34,6 +34,7 @@ from kvstrata.tiers import records as rec
 from kvstrata.tiers.codec import parse_mode as parse_codec_mode
 from kvstrata.tiers.disk.counters import Counters
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
+from kvstrata.tiers.disk.readers import DiskReaders, ReadersUnavailable
 from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
 from kvstrata.tiers.disk.writer import PutJob, Writer, now_us
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from kvstrata.auth import ValueAuth
+    from kvstrata.tiers.host import HostSlab
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,9 @@ class DiskStore:
         self._logged_damage: set[str] = set()
         self._auth = auth
         self._env = StoreEnv(self.path, map_size=map_size, create=create, readonly=readonly, mode=mode)
+        self._map_size = map_size
+        self._readers: DiskReaders | None = None  # use_read_processes
+        self._readers_slab: HostSlab | None = None
         self.h = self._env.handles
         self.unclean_shutdown = self._env.unclean
         self._writer: Writer | None = None
@@ -156,18 +161,78 @@ class DiskStore:
         """Decode the value of ``key`` into ``out``; bytes written, or None (a miss, or a record
         that is damaged or not this key's: counted, logged, dropped). ``out`` may then hold
         garbage. Decompression runs inside the short read transaction, straight from the map."""
-        writer = self._writer
-        if writer is not None and writer.quarantined and key in writer.quarantined:
+        if self._quarantined(key):
             self._counts.bump("misses")
             return None
+        return self._account_read(key, self.read_outcome(key, out))
+
+    def read_outcome(self, key: bytes, out: Buffer) -> tuple[str, Any]:
+        """The read of ``get_into`` alone, counting and dropping nothing (what a read process
+        does, ``disk/readers.py``): ``("ok", bytes written | None | the record's problem)``,
+        ``("size", why)`` when ``out`` is too small, ``("error", why)`` when the store failed."""
         try:
-            result = self._env.txn(lambda txn: rec.read_into(txn, self.h, key, out, self._auth), buffers=True)
+            return "ok", self._env.txn(lambda txn: rec.read_into(txn, self.h, key, out, self._auth), buffers=True)
         except ValueError as exc:  # out too small: a layout mismatch, never a crash
-            log.debug("get_into(%s): %s", key.hex(), exc)
+            return "size", str(exc)
+        except (StoreUnavailableError, lmdb.Error) as exc:
+            return "error", (type(exc).__name__, str(exc))
+
+    def get_many_into_slab(self, items: Sequence[tuple[bytes, int, int, int]],
+                           landed: Callable[[int, int | None], None]) -> None:
+        """``get_into`` of each ``(key, slot, offset, length)`` into the host slab the read
+        processes were given (:meth:`use_read_processes`), ``landed(i, bytes written or None)``
+        as each lands, in order. Without read processes, or once they fail, reads here."""
+        readers = self._readers
+        slab = self._readers_slab
+        sent: list[int] = []  # the items read processes read, by index into ``items``
+        for i, (key, *_) in enumerate(items):
+            if self._quarantined(key):
+                self._counts.bump("misses")
+                landed(i, None)
+            else:
+                sent.append(i)
+        if readers is not None and readers.available and sent:
+            done = 0
+
+            def answer(j: int, outcome: tuple[str, Any]) -> None:
+                nonlocal done
+                done = j + 1
+                landed(sent[j], self._account_read(items[sent[j]][0], outcome))
+
+            try:
+                readers.read_many([items[i] for i in sent], answer)
+                return
+            except ReadersUnavailable:
+                sent = sent[done:]  # read here, over what a dying process may have half written
+        if slab is None:
+            raise ValueError("get_many_into_slab needs use_read_processes first")
+        for i in sent:
+            key, slot, offset, length = items[i]
+            landed(i, self.get_into(key, slab.view(slot, offset, length)))
+
+    def use_read_processes(self, slab: HostSlab, processes: int) -> None:
+        """Read chunks for ``get_many_into_slab`` in ``processes`` processes of their own, each
+        with the store open read-only and ``slab`` mapped (``disk/readers.py``); 0 reads in the
+        calling threads. Raises ReadersUnavailable when they cannot start."""
+        self._readers_slab = slab
+        if processes > 0 and self._readers is None:
+            self._readers = DiskReaders(self.path, slab.path, slab.slot_bytes, slab.num_slots,
+                                        processes=processes, auth=self._auth, map_size=self._map_size)
+
+    def _quarantined(self, key: bytes) -> bool:
+        writer = self._writer
+        return writer is not None and bool(writer.quarantined) and key in writer.quarantined
+
+    def _account_read(self, key: bytes, outcome: tuple[str, Any]) -> int | None:
+        """Count a read's outcome, touch a hit, drop a bad record; the bytes read or None."""
+        kind, result = outcome
+        if kind == "size":
+            log.debug("get_into(%s): %s", key.hex(), result)
             self._counts.bump("size_mismatch")
             result = None
-        except (StoreUnavailableError, lmdb.Error) as exc:
-            self._log_damage(f"read of {key.hex()} failed", exc)
+        elif kind == "error":
+            kind_name, message = result
+            self._log_damage(f"read of {key.hex()} failed: {kind_name}: {message}", None, kind=kind_name)
             result = None
         if result is None:
             self._counts.bump("misses")
@@ -177,7 +242,7 @@ class DiskStore:
             return None
         self._counts.bump("hits")
         self._touch([key])
-        return result
+        return int(result)
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """Record an access to these keys without reading them (a chunk served from the host
@@ -445,6 +510,8 @@ class DiskStore:
             if self._closed:
                 return
             self._closed = True
+            if self._readers is not None:
+                self._readers.close()
             writer = self._writer
             if writer is not None:
                 writer.request_stop()
@@ -512,9 +579,10 @@ class DiskStore:
         if writer is not None:
             writer.call_soon(lambda: drop_if_bad(writer, keys, "corrupt_dropped"))
 
-    def _log_damage(self, what: str, exc: BaseException | None) -> None:
-        """Log a store-level problem once per kind (a damaged store would flood the log)."""
-        kind = what if exc is None else type(exc).__name__
+    def _log_damage(self, what: str, exc: BaseException | None, kind: str | None = None) -> None:
+        """Log a store-level problem once per kind (a damaged store would flood the log): the
+        exception's type, ``kind``, or else ``what`` itself."""
+        kind = kind or (what if exc is None else type(exc).__name__)
         if kind in self._logged_damage:
             return
         self._logged_damage.add(kind)

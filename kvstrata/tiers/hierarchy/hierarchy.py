@@ -44,7 +44,7 @@ from kvstrata.tiers.hierarchy.shared import (
     TierLink,
 )
 from kvstrata.tiers.hierarchy.write_behind import WriteBehind
-from kvstrata.tiers.host import HostPool
+from kvstrata.tiers.host import HostPool, HostSlab
 from kvstrata.tiers.lower import LowerTier
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class Hierarchy:
         max_concurrent_reads: int = 4,
         read_threads: int = 2,
         write_threads: int = 1,
+        read_processes: int = 0,
         offer_tracker_size: int = 1 << 17,
         events: bool = False,
         idle_writes: bool = True,
@@ -123,11 +124,13 @@ class Hierarchy:
             clock=clock)
         for link in links:
             link.reuse = ReuseMeter(write_reuse_half_life_bytes or max(1, 2 * s.slab.nbytes))
+            link.slab_reads = _use_read_processes(link.tier, s.slab, read_processes)
         self.pool = host_pool
         self.slab = s.slab
         self.namespaces = s.namespaces
         self.shard_bytes = s.shard_bytes
         self.write_threads = write_threads  # per lower tier
+        self.read_processes = read_processes  # per lower tier that reads into the slab itself
         self._pipe = Pipeline(links, read_threads=read_threads, write_threads=write_threads,
                               max_concurrent_reads=max_concurrent_reads, idle_writes=idle_writes,
                               urgent_writes=urgent_writes)
@@ -426,3 +429,19 @@ def _per_tier(name: str, value: Any, n: int) -> list[Any]:
     if len(values) != n:
         raise ValueError(f"{len(values)} values of {name} for {n} lower tiers")
     return values
+
+
+def _use_read_processes(tier: LowerTier, slab: HostSlab, processes: int) -> bool:
+    """Have ``tier`` read promotions into ``slab`` in ``processes`` processes of its own (a
+    disk tier: ``DiskStore.use_read_processes``); False when it reads in the pipeline's threads
+    (no processes asked for, a tier that has none, or they could not start: logged)."""
+    use = getattr(tier, "use_read_processes", None)
+    if processes <= 0 or use is None:
+        return False
+    try:
+        use(slab, processes)
+    except (RuntimeError, OSError) as exc:  # disk.readers.ReadersUnavailable is a RuntimeError
+        logger.warning("kvstrata: the disk read processes did not start (%s); reading in the "
+                       "engine's threads", exc)
+        return False
+    return True

@@ -97,9 +97,40 @@ class Promoter:
     def _read_batch(self, batch: list[tuple[bytes, int, TierLink]]) -> None:
         """On a read thread: each chunk in turn, handed to the loop thread as soon as it is
         read (a streamed load copies it then), in order, before the job ends."""
+        if batch[0][2].slab_reads:
+            self._read_batch_into_slab(batch)
+            return
         for key, slot, link in batch:
             ok = self._read(key, slot, link)
             self.pipe.call_soon(self._land, key, slot, link, ok)
+
+    def _read_batch_into_slab(self, batch: list[tuple[bytes, int, TierLink]]) -> None:
+        """``_read_batch`` by a tier that reads into the slab itself (its read processes:
+        ``TierLink.slab_reads``), the whole job in one request; each chunk lands once its last
+        shard did."""
+        s = self.s
+        shards = len(s.namespaces)
+        items = [(ns + key, slot, r * s.shard_bytes, s.group_shard_bytes[chunk_group(key)])
+                 for key, slot, _ in batch for r, ns in enumerate(s.namespaces)]
+        whole = [True] * len(batch)
+        landed = 0  # chunks handed to the loop thread
+
+        def read(i: int, n: int | None) -> None:
+            nonlocal landed
+            chunk = i // shards
+            whole[chunk] &= n == items[i][3]
+            if i % shards == shards - 1:
+                key, slot, link = batch[chunk]
+                self.pipe.call_soon(self._land, key, slot, link, whole[chunk])
+                landed = chunk + 1
+
+        link = batch[0][2]
+        try:
+            link.tier.get_many_into_slab(items, read)  # type: ignore[attr-defined]  # a disk tier: slab_reads
+        except Exception:
+            logger.exception("kvstrata: %s read of %d chunk(s) failed", link.name, len(batch) - landed)
+        for key, slot, link in batch[landed:]:  # not read: failed
+            self.pipe.call_soon(self._land, key, slot, link, False)
 
     def _land(self, key: bytes, slot: int, link: TierLink, ok: bool) -> None:
         """On the loop thread: a chunk read (``ok``) or failed."""

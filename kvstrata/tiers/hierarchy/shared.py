@@ -57,6 +57,8 @@ class TierLink:
     defer: bool = True
     max_inflight: int = DEFAULT_WRITE_INFLIGHT_BYTES
     resident: set[bytes] = field(default_factory=set)  # host chunks known to be in this tier
+    # Promotions read straight into the slab by the tier's own processes (get_many_into_slab).
+    slab_reads: bool = False
     queued: set[bytes] = field(default_factory=set)  # being written, or deferred
     # Queued chunks the tier reported removed meanwhile: a write that committed just before the
     # removal must not mark them resident afterwards.

@@ -132,7 +132,8 @@ def test_auto_priority_writes_at_idle_priority_on_cpu_engines_only(
     forward; an accelerator engine's keep normal priority (an idle one holding the GIL on a busy
     host stalls the engine thread: docs/BENCHMARKS.md, "Idle-priority writes on a saturated
     host"). ``write_threads: auto``: one on a CPU engine, one per usable core (at most four)
-    on an accelerator's, whose prefill outruns one thread's compression."""
+    on an accelerator's, whose prefill outruns one thread's compression; ``read_processes:
+    auto``, none on a CPU engine, one per read thread on an accelerator's."""
     import os
     import time
 
@@ -163,3 +164,7 @@ def test_auto_priority_writes_at_idle_priority_on_cpu_engines_only(
     policies = {p for tid, p in write_threads().items() if tid not in before}
     assert policies == ({os.SCHED_IDLE} if idle else {os.SCHED_OTHER}), policies
     assert hierarchy.write_threads == (1 if device == "cpu" else min(4, len(os.sched_getaffinity(0))))
+    # ``read_processes: auto``: the disk's promotions read in processes of their own off CPU
+    # (an accelerator's engine core keeps a Python thread busy: docs/BENCHMARKS.md).
+    assert hierarchy.read_processes == (0 if device == "cpu" else min(4, len(os.sched_getaffinity(0))))
+    assert [link.slab_reads for link in hierarchy._s.links] == [device != "cpu"]  # noqa: SLF001

@@ -288,3 +288,30 @@ def test_a_lookup_s_promotions_read_once_the_step_is_scheduled(runners, tmp_path
     second.run_until_idle()
     assert second.loaded_tokens[req.request_id] == 96 and second.load_errors == []
     assert len(reads) >= 6 and second.stats.data["hit_tokens_disk"] == 96
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_disk_hits_are_read_by_the_read_processes(runners, tmp_path: Path, tp: int) -> None:
+    """``read_processes``: the restarted engine's promotions are read by processes of its disk
+    tier straight into the host slab (every shard of a chunk at its place), streamed to the
+    worker as they land, and every loaded page is byte-checked; a record found damaged there is
+    a failed load and its request recomputed from the chunks before it, as in-process."""
+    store = tmp_path / "persist"
+    prompt = token_prompt(96)
+    first = runners([G("full", 16)], store=store, tp=tp)
+    first.serve(prompt, 1)
+    keys = _chunk_store_keys(first, prompt, rank=tp - 1)
+    first.close()
+    second = runners([G("full", 16)], store=store, tp=tp, extra={"read_processes": 2})
+    hierarchy = second.connector.scheduler.hierarchy
+    assert [link.slab_reads for link in hierarchy._s.links] == [True]  # noqa: SLF001
+    assert second.serve(prompt, 1) == 96 and second.load_errors == []
+    assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["load_failures"] == 0
+    assert hierarchy.tiers[0].stats()["hits"] == 6 * tp  # 6 chunks, one record per rank
+    second.close()
+
+    _flip_payload_byte(store, keys[3])
+    third = runners([G("full", 16)], store=store, tp=tp, extra={"read_processes": 2})
+    assert third.serve(prompt, 1) == 48 and third.load_errors == []  # chunks 0-2, never chunk 3
+    assert third.stats.data["load_failures"] == 1 and third.stats.data["hit_tokens_disk"] == 48
+    assert third.connector.scheduler.hierarchy.tiers[0].stats()["corrupt"] == 1
