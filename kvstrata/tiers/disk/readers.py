@@ -20,6 +20,7 @@ pipe closes: its parent closed the pool or died.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import subprocess
@@ -80,10 +81,14 @@ class DiskReaders:
     @staticmethod
     def _spawn(setup: dict[str, Any]) -> tuple[subprocess.Popen[bytes], Connection]:
         mine, theirs = socket.socketpair()
+        # The child imports this very kvstrata, wherever the engine found it.
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstrata.tiers.disk.read_process", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True, env=env)
         except BaseException:
             mine.close()
             raise
