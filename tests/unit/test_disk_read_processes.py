@@ -58,14 +58,17 @@ def slab(tmp_path: Path):
 
 
 def children_of(pid: int) -> list[int]:
+    """This process's disk read processes (its other children, e.g. engines or servers other
+    tests started, do not count)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
+            if int(stat.rpartition(")")[2].split()[1]) == pid and b"kvstrata.tiers.disk.read_process" in cmdline:
                 out.append(int(entry))
     return out
 
