@@ -191,3 +191,27 @@ def test_callers_waiting_for_a_process_are_let_go_when_the_pool_stops(tmp_path: 
         assert not t.is_alive(), t.name
     assert sorted(raised) == ["first", "second"]
     assert children_of(os.getpid()) == []
+
+
+def test_an_answer_that_raises_is_raised_once_the_process_read_every_item(tmp_path: Path, slab) -> None:
+    """The caller may hand the slots of the items left out again once ``read_many`` raised: by
+    then the process must have written them all."""
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+        put(s, 4)
+    readers = DiskReaders(tmp_path / "db", slab.path, SLOT, 8, processes=1)
+    try:
+        answered: list[int] = []
+
+        def answer(i: int, outcome: tuple) -> None:
+            answered.append(i)
+            raise KeyError("the caller's own failure")
+
+        with pytest.raises(KeyError, match="the caller's own failure"):
+            readers.read_many([(k(i), i, 0, SLOT) for i in range(4)], answer)
+        assert answered == [0]  # not answered for the rest
+        assert all(np.array_equal(slab.slot(i), value(i)) for i in range(4))  # yet all written
+        got: list[tuple[int, tuple]] = []
+        readers.read_many([(k(3), 5, 0, SLOT)], lambda i, o: got.append((i, o)))  # still serves
+        assert got == [(0, ("ok", SLOT))] and np.array_equal(slab.slot(5), value(3))
+    finally:
+        readers.close()

@@ -101,7 +101,9 @@ class DiskReaders:
     def read_many(self, items: Sequence[Item], answer: Callable[[int, Outcome], None]) -> None:
         """Read every item into the slab, calling ``answer(i, outcome)`` for each in order as it
         lands. Raises ReadersUnavailable when the pool cannot read; the items not answered by
-        then were not read, or only in part (their slots hold garbage)."""
+        then were not read, or only in part (their slots hold garbage), and no process writes
+        into them any more. An exception ``answer`` raises is raised once the child read every
+        item (it is not answered for the rest)."""
         if not items:
             return
         while True:  # a child, unless the pool stops meanwhile (then none may come back)
@@ -113,22 +115,33 @@ class DiskReaders:
             except queue.Empty:
                 continue
         healthy = False
+        failed: BaseException | None = None
         try:
             conn.send(list(items))
             for i in range(len(items)):
                 while not conn.poll(POLL_S):
                     if proc.poll() is not None:
                         raise EOFError(f"read process {proc.pid} exited with {proc.returncode}")
-                answer(i, conn.recv())
+                outcome = conn.recv()
+                if failed is None:
+                    try:
+                        answer(i, outcome)
+                    except BaseException as exc:  # noqa: BLE001 - raised once the child is done
+                        failed = exc
+            # Only now, every answer in: until then the child may still write into the slots of
+            # the items left, which the caller may hand out again once this raised.
             healthy = True
         except (EOFError, OSError) as exc:
             self.available = False
             log.warning("kvstrata: a disk read process failed (%s); reading in the engine's "
                         "threads from now on", exc)
+            _stopped(proc)  # a child whose pipe was closed under it writes nothing after this
             raise ReadersUnavailable(str(exc)) from None
         finally:
             if healthy:
                 self._idle.put((proc, conn))
+        if failed is not None:
+            raise failed
 
     def close(self) -> None:
         """Stop every child (each finishes the batch it has, then sees its pipe close)."""
@@ -138,8 +151,14 @@ class DiskReaders:
         for _, conn in children:
             conn.close()
         for proc, _ in children:
-            try:
-                proc.wait(CLOSE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stopped(proc)
+
+
+def _stopped(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a child whose pipe is closed (it exits at its next send or receive), killing it
+    if it does not within CLOSE_TIMEOUT_S."""
+    try:
+        proc.wait(CLOSE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
