@@ -22,6 +22,7 @@ running alone. One JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import shutil
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.write_throughput import kv_like
 from kvstrata.tiers import codec
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tiers.hierarchy import Hierarchy
@@ -67,12 +69,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--chunk-bytes even, --chunks, --seconds, --batch, --read-processes and "
                 "--switch-intervals positive")
     return args
-
-
-def kv_like(rng: np.random.Generator, nbytes: int) -> np.ndarray:
-    """bf16 values drawn like KV (normal, small), as bytes: they compress as KV does."""
-    values = (rng.standard_normal(nbytes // 2) * 0.5).astype(np.float32)
-    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 
 
 def key(i: int) -> bytes:
@@ -128,23 +124,14 @@ def timed(op: Callable[[int], None], seconds: float, nbytes: int, busy: bool) ->
         done[0] = i
 
     worker = threading.Thread(target=run, name="op")
-    if busy:
-        with Busy() as loop:
-            start = time.perf_counter()
-            worker.start()
-            time.sleep(seconds)
-            stop.set()
-            worker.join()
-            elapsed = time.perf_counter() - start
-            rate: float | None = loop.iterations / elapsed
-    else:
+    with Busy() if busy else contextlib.nullcontext() as loop:
         start = time.perf_counter()
         worker.start()
         time.sleep(seconds)
         stop.set()
         worker.join()
         elapsed = time.perf_counter() - start
-        rate = None
+        rate = None if loop is None else loop.iterations / elapsed
     if failed:
         raise failed[0]
     return done[0] * nbytes / elapsed / 1e9, rate
