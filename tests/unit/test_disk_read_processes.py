@@ -77,8 +77,8 @@ def test_processes_read_the_stored_bytes_into_the_slab_and_count_as_reads(tmp_pa
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         put(s, 4)
         s.use_read_processes(slab, 2)
-        readers = s._readers  # noqa: SLF001 - the pool's own state, to see that it read
-        assert readers is not None and readers.available and len(children_of(os.getpid())) >= 2
+        readers = s.read_processes
+        assert readers is not None and readers.available and len(children_of(os.getpid())) == 2
         # Every chunk into another slot, one at an offset inside its slot, and one never stored.
         items = [(k(i), 3 - i, 0, SLOT) for i in range(4)] + [(k(9), 4, 0, SLOT)]
         items[1] = (k(1), 2, 4096, SLOT - 4096)  # too small a place: counted, not a crash
@@ -114,7 +114,7 @@ def test_a_process_that_dies_leaves_its_reads_to_the_calling_thread(tmp_path: Pa
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         put(s, 3)
         s.use_read_processes(slab, 1)
-        readers = s._readers  # noqa: SLF001
+        readers = s.read_processes
         assert readers is not None
         (child,) = children_of(os.getpid())
         os.kill(child, signal.SIGKILL)

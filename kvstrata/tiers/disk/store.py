@@ -219,6 +219,11 @@ class DiskStore:
             self._readers = DiskReaders(self.path, slab.path, slab.slot_bytes, slab.num_slots,
                                         processes=processes, auth=self._auth, map_size=self._map_size)
 
+    @property
+    def read_processes(self) -> DiskReaders | None:
+        """The processes ``get_many_into_slab`` reads in (``use_read_processes``), or None."""
+        return self._readers
+
     def _quarantined(self, key: bytes) -> bool:
         writer = self._writer
         return writer is not None and bool(writer.quarantined) and key in writer.quarantined
