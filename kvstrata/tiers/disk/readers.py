@@ -57,7 +57,6 @@ class DiskReaders:
                  processes: int, auth: ValueAuth | None = None, map_size: int = 1 << 40) -> None:
         if processes < 1:
             raise ValueError("DiskReaders needs at least one process")
-        self.processes = processes
         self._idle: queue.SimpleQueue[tuple[subprocess.Popen[bytes], Connection]] = queue.SimpleQueue()
         self._children: list[tuple[subprocess.Popen[bytes], Connection]] = []
         self._lock = threading.Lock()
