@@ -454,6 +454,36 @@ def test_two_writer_processes(tmp_path: Path) -> None:
         assert not store.unclean_shutdown  # the last of the two to close marked it clean
 
 
+def test_totals_stay_exact_when_another_process_writes_between_this_ones_puts(tmp_path: Path) -> None:
+    """The writer reuses the totals its last put wrote only while that put is the store's last
+    commit: another process's puts in between are counted."""
+    path = tmp_path / "s"
+    store = open_store(path)
+    for i in range(5):
+        assert store.put_many([(key(i), payload(i), "float16")]) == 1
+    child = helper("writer", str(path), "100", "10")
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert store.put_many([(key(5), payload(5), "float16")]) == 1
+    stats = store.stats()
+    assert stats["entries"] == 16, stats
+    assert stats["stored_bytes"] == sum(r.stored_len for _, r in store.iter_index())
+    store.close()
+
+
+def test_a_key_twice_in_one_batch_is_stored_once(tmp_path: Path) -> None:
+    """Small puts share a transaction; the second of one key finds the first (not the index as
+    it was before the transaction)."""
+    with open_store(path := tmp_path / "s") as store:
+        assert store.put_many([(key(1), payload(1), "float16")]) == 1  # the index mirror is built
+        small = payload(2)[:4096]
+        assert store.put_many([(key(2), small, "float16"), (key(2), small, "float16")]) == 2
+        stats = store.stats()
+        assert stats["entries"] == 2, stats
+        assert stats["stored_bytes"] == sum(r.stored_len for _, r in store.iter_index())
+    assert path.exists()
+
+
 def test_map_grown_by_another_process(tmp_path: Path) -> None:
     path = tmp_path / "s"
     store = open_store(path, map_size=16 * MiB)

@@ -3,16 +3,24 @@
 Once a put would take the file system below the reserve, the store's size is frozen where it
 is and new puts make room by evicting (the pages they free are used again, so the file stops
 growing); an empty store puts nothing. The freeze lifts once the file system has room again.
-The writer asks once per write transaction (:meth:`FsReserve.begin`), then per put.
+The writer asks the file system at the start of a write transaction (:meth:`FsReserve.begin`),
+then counts its own puts against what it was told. While the file system has plenty of room above
+the reserve it asks at most every ``REMEASURE_S`` (each ``statvfs`` releases the GIL, which a busy
+engine thread then holds for up to a switch interval: docs/BENCHMARKS.md, "Writes framed in
+processes"); near the reserve, at every transaction.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+REMEASURE_S = 0.05
+NEAR_BYTES = 256 << 20  # within this much of the reserve, measured at every transaction
 
 
 class FsReserve:
@@ -24,11 +32,17 @@ class FsReserve:
         # While the reserve binds, the stored bytes the store is held to, else None.
         self.cap: int | None = None
         self._room: int | None = None  # file system bytes above the reserve, this transaction
+        self._measured_at = float("-inf")
         self._logged = False
 
     def begin(self) -> None:
-        """A write transaction starts: measure the file system's room above the reserve."""
+        """A write transaction starts: the file system's room above the reserve (measured again
+        unless it was plenty a moment ago, see the module docstring)."""
+        now = time.monotonic()
+        if self._room is not None and self._room > NEAR_BYTES and now - self._measured_at < REMEASURE_S:
+            return  # less this process's puts since (``wrote``)
         self._room = self._fs_room()
+        self._measured_at = now
 
     def budget(self, budget_bytes: int, stored_bytes: int, size: int) -> tuple[int, bool]:
         """The stored bytes a put of ``size`` bytes may bring the store to (the byte budget,

@@ -49,7 +49,7 @@ _TOUCH_FLUSH_MAX = 4096  # pending access ticks that force an early flush
 @dataclass(slots=True)
 class PutJob:
     key: bytes
-    frame: bytes
+    frame: bytes | memoryview  # a memoryview into a frame slab: disk/encoders.py
     info: codec.FrameInfo
     tick: int
     future: Future[bool]
@@ -128,6 +128,8 @@ class Writer:
         self.on_removed: Callable[[list[bytes]], None] | None = None
         self._removed: list[bytes] = []  # deleted by the write transaction running now
         self._added: list[bytes] = []  # put by the write transaction running now
+        # (the put transaction that committed last, the totals it wrote): see _totals.
+        self._committed_totals: tuple[int, rec.Totals] | None = None
         # The index's keys in memory, for presence probes that never release the GIL; built on
         # the writer thread before its first job (tiers/disk/index_mirror.py).
         self.index_mirror = IndexMirror()
@@ -327,7 +329,13 @@ class Writer:
                     log.exception("store at %s: flushing access ticks failed", self.env.path)
 
     def _follow(self, txnid: int, added: list[bytes], removed: list[bytes], tracked: bool) -> None:
-        """Have the index mirror follow write transaction ``txnid``, just committed."""
+        """Have the index mirror follow write transaction ``txnid``, just committed. A tracked
+        one always changed something (``_write_txn``), so it committed as ``txnid``: no need to
+        ask LMDB (one GIL release less per put, docs/BENCHMARKS.md, "Writes framed in
+        processes")."""
+        if tracked:
+            self.index_mirror.committed(txnid, added, removed)
+            return
         try:
             last = self.env.last_txnid()
         except (lmdb.Error, StoreUnavailableError):
@@ -382,11 +390,15 @@ class Writer:
         return carry
 
     def _write_batch(self, jobs: list[PutJob]) -> list[_PutOutcome]:
+        written: tuple[int, rec.Totals] | None = None
+
         def body(txn: lmdb.Transaction) -> list[_PutOutcome]:
+            nonlocal written
             self.reserve.begin()
             totals = self._totals(txn)
             outcomes = [self._put(txn, totals, job) for job in jobs]
             rec.write_totals(txn, self.h, totals)
+            written = (txn.id(), rec.Totals(totals.entries, totals.raw_bytes, totals.stored_bytes))
             return outcomes
 
         try:
@@ -395,6 +407,7 @@ class Writer:
             self.on_write_failure(exc)
             self.counts.bump("admission_drops", len(jobs))
             return [_PutOutcome() for _ in jobs]
+        self._committed_totals = written
         self._dirty_bytes += sum(len(job.frame) for job in jobs)
         for outcome in outcomes:
             self.counts.bump("evictions", outcome.evicted)
@@ -406,6 +419,12 @@ class Writer:
         return outcomes
 
     def _totals(self, txn: lmdb.Transaction) -> rec.Totals:
+        # What the last put transaction wrote, if it is the last committed one (no other write,
+        # of this process or another, since): not read again (a GIL release less per put).
+        last = self._committed_totals
+        if last is not None and last[0] == txn.id() - 1:
+            t = last[1]
+            return rec.Totals(t.entries, t.raw_bytes, t.stored_bytes)
         totals = rec.read_totals(txn, self.h)
         if totals is None:  # derived data: recount (and the put rewrites them)
             log.warning("store at %s: the totals record is unreadable; recounting it", self.env.path)
@@ -415,7 +434,7 @@ class Writer:
 
     def _put(self, txn: lmdb.Transaction, totals: rec.Totals, job: PutJob) -> _PutOutcome:
         outcome = _PutOutcome()
-        if txn.get(job.key, db=self.h.index) is not None:
+        if self._stored(txn, job.key):
             outcome.written = True  # stored meanwhile (same key, same content)
             return outcome
         stored = len(job.frame)
@@ -439,6 +458,15 @@ class Writer:
         self.reserve.wrote(stored)
         outcome.written = True
         return outcome
+
+    def _stored(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        """Whether the index holds ``key`` in write transaction ``txn``: from the index mirror
+        when it reflects the transaction this one started from (no GIL release) and ``txn``
+        did not put or delete the key itself, else from LMDB."""
+        mirrored = self.index_mirror.answer([key], txn.id() - 1)
+        if mirrored is not None and key not in self._added and key not in self._removed:
+            return mirrored[0]
+        return txn.get(key, db=self.h.index) is not None
 
     def _eviction_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int, int]]:
         touched = self.touched()
