@@ -13,7 +13,8 @@ alone and beside a busy pure-Python thread (the step loop's stand-in); and the s
 encodes done by a child process on the same store and slab, the parent's thread only sending
 a batch of chunk indices and waiting for the answer; and promotions by a real hierarchy (host
 pool + that store: a lookup's chunks read into host slots and landed) with its reads in its
-threads and in ``read_processes``. Reports GB/s of raw KV and the busy thread's rate against
+threads and in ``read_processes``; and writes behind by a real hierarchy, framed in its write
+threads and in ``write_processes``. Reports GB/s of raw KV and the busy thread's rate against
 running alone. One JSON object on stdout.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.gil_contention
@@ -52,8 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="bytes per chunk (default 4 MiB)")
     p.add_argument("--chunks", type=int, default=16, help="distinct chunks stored and read round-robin")
     p.add_argument("--seconds", type=float, default=2.0, help="seconds per measurement")
-    p.add_argument("--read-processes", type=int, default=2,
-                   help="the hierarchy's read_processes (and read threads) for its promotions")
+    p.add_argument("--processes", type=int, default=2,
+                   help="the hierarchies' read_processes and write_processes (and their read and write threads)")
     p.add_argument("--batch", type=int, default=8,
                    help="chunks per message to the child process (a promotion job reads up to 16)")
     p.add_argument("--switch-intervals", default="0.005,0.0005",
@@ -65,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--switch-intervals: comma-separated seconds, not {args.switch_intervals!r}")
     if (args.chunk_bytes < 2 or args.chunk_bytes % 2 or args.chunks < 1 or args.seconds <= 0
-            or args.batch < 1 or args.read_processes < 1 or not args.intervals or min(args.intervals) <= 0):
-        p.error("--chunk-bytes even, --chunks, --seconds, --batch, --read-processes and "
+            or args.batch < 1 or args.processes < 1 or not args.intervals or min(args.intervals) <= 0):
+        p.error("--chunk-bytes even, --chunks, --seconds, --batch, --processes and "
                 "--switch-intervals positive")
     return args
 
@@ -162,7 +163,7 @@ NS = b"gil-contention-ns"  # the hierarchy's one namespace (one shard per chunk)
 
 
 def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
-    """Per switch interval and ``read_processes`` (0, then ``--read-processes``): GB/s of a real
+    """Per switch interval and ``read_processes`` (0, then ``--processes``): GB/s of a real
     hierarchy promoting every chunk of its disk into its host tier (one lookup's worth, waited
     for, then the host tier reset), alone and beside the busy thread."""
     rng = np.random.default_rng(1)
@@ -177,14 +178,14 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
         def hierarchy(processes: int) -> Hierarchy:
             slabs.append(HostSlab(slab_dir / f"hierarchy-slab-{processes}", args.chunk_bytes, args.chunks))
             h = Hierarchy(HostPool(slabs[-1]), disk, namespaces=[NS], group_shard_bytes=[args.chunk_bytes],
-                          group_dtypes=[DTYPE], read_threads=args.read_processes,
-                          max_concurrent_reads=args.read_processes, read_processes=processes)
+                          group_dtypes=[DTYPE], read_threads=args.processes,
+                          max_concurrent_reads=args.processes, read_processes=processes)
             made.append(h)
             return h
 
         # Threads first: once the store has read processes it keeps them (a hierarchy asking
         # for none reads in its threads all the same).
-        by_processes = {0: hierarchy(0), args.read_processes: hierarchy(args.read_processes)}
+        by_processes = {0: hierarchy(0), args.processes: hierarchy(args.processes)}
         out: dict[str, Any] = {}
         previous = sys.getswitchinterval()
         try:
@@ -204,7 +205,7 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
                     row[f"read_processes_{processes}"] = {"alone_gbps": round(alone, 3),
                                                           "beside_busy_gbps": round(beside, 3)}
                 row["processes_vs_threads_beside_busy"] = round(
-                    row[f"read_processes_{args.read_processes}"]["beside_busy_gbps"]
+                    row[f"read_processes_{args.processes}"]["beside_busy_gbps"]
                     / row["read_processes_0"]["beside_busy_gbps"], 3)
                 out[f"{interval:g}"] = row
         finally:
@@ -214,6 +215,81 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
         for h in made:
             h.close()
         disk.close()  # its read processes first: they map a slab
+        for slab in slabs:
+            slab.close()
+
+
+def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
+    """Per switch interval and ``write_processes`` (0, then ``--processes``): GB/s
+    of a real hierarchy writing fresh host chunks behind to its disk (``--chunks`` stored, each
+    written, compressed and committed, waited for), alone and beside the busy thread, and the
+busy thread's rate beside them against alone (the engine core's loop beside the writes). The
+    write threads run at normal priority (a GPU engine's ``background_priority: auto``)."""
+    rng = np.random.default_rng(2)
+    n = args.processes
+    disk = DiskStore(root / "write-store", budget_bytes=8 * args.chunks * args.chunk_bytes + (64 << 20))
+    slabs: list[HostSlab] = []
+    made: list[Hierarchy] = []
+    written = [0]
+    try:
+        nbytes = args.chunks * args.chunk_bytes
+
+        def hierarchy(processes: int) -> Hierarchy:
+            slab = HostSlab(slab_dir / f"write-slab-{processes}", args.chunk_bytes, args.chunks)
+            slabs.append(slab)
+            for i in range(args.chunks):  # what every chunk stored in a slot writes
+                slab.slot(i)[:] = kv_like(rng, args.chunk_bytes)
+            h = Hierarchy(HostPool(slab), disk, namespaces=[NS], group_shard_bytes=[args.chunk_bytes],
+                          group_dtypes=[DTYPE], write_threads=n, idle_writes=False,
+                          max_write_inflight_bytes=nbytes, write_processes=processes)
+            made.append(h)
+            return h
+
+        by_processes = {0: hierarchy(0), n: hierarchy(n)}
+        out: dict[str, Any] = {}
+        previous = sys.getswitchinterval()
+        try:
+            for interval in args.intervals:
+                sys.setswitchinterval(interval)
+                row: dict[str, Any] = {}
+                busy_alone = busy_rate(args.seconds)
+                for processes, h in by_processes.items():
+                    def write_all(i: int, h: Hierarchy = h) -> None:
+                        first = written[0]
+                        written[0] += args.chunks
+                        keys = [k.to_bytes(32, "big") + bytes(4) for k in range(first, written[0])]
+                        target = h.stats()["writes_completed"] + len(keys)
+                        if h.prepare_store(keys) is None:
+                            raise RuntimeError("no host slots for the chunks")
+                        h.complete_store(keys)
+                        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+                        while h.stats()["writes_completed"] < target:
+                            if time.monotonic() > deadline:
+                                raise RuntimeError(f"the writes did not complete: {h.stats()}")
+                            time.sleep(0.001)
+                        if not h.reset():
+                            raise RuntimeError("the host tier did not reset")
+                    alone, _ = timed(write_all, args.seconds, nbytes, busy=False)
+                    beside, rate = timed(write_all, args.seconds, nbytes, busy=True)
+                    assert rate is not None
+                    failed = h.stats()["writes_failed"]
+                    if failed:
+                        raise RuntimeError(f"{failed} write(s) failed")
+                    row[f"write_processes_{processes}"] = {"alone_gbps": round(alone, 3),
+                                                           "beside_busy_gbps": round(beside, 3),
+                                                           "busy_rate_vs_alone": round(rate / busy_alone, 3)}
+                row["processes_vs_threads_beside_busy"] = round(
+                    row[f"write_processes_{n}"]["beside_busy_gbps"]
+                    / row["write_processes_0"]["beside_busy_gbps"], 3)
+                out[f"{interval:g}"] = row
+        finally:
+            sys.setswitchinterval(previous)
+        out["framed_by_processes"] = disk.stats()["process_framed"]
+        return out
+    finally:
+        for h in made:
+            h.close()
+        disk.close()  # its write processes first: they map a slab
         for slab in slabs:
             slab.close()
 
@@ -293,12 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         intervals = measure(args, root, slab_dir)
         promoted = promotions(args, root, slab_dir)
+        written = writes(args, root, slab_dir)
     finally:
         shutil.rmtree(slab_dir, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({"chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "seconds": args.seconds,
-                      "batch": args.batch, "read_processes": args.read_processes,
-                      "switch_intervals": intervals, "promotions": promoted}, indent=1))
+                      "batch": args.batch, "processes": args.processes,
+                      "switch_intervals": intervals, "promotions": promoted,
+                      "writes_behind": written}, indent=1))
     return 0
 
 

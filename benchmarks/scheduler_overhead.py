@@ -360,7 +360,8 @@ def run_config(config: str, args: argparse.Namespace, work: Path) -> dict[str, A
     if config == "kvstrata":  # what its automatic options came to for --kvstrata-device
         mine = engine.connector.scheduler
         resolved = {"sync_loads": mine.sync_loads, "write_threads": mine.hierarchy.write_threads,
-                    "read_processes": mine.hierarchy.read_processes}
+                    "read_processes": mine.hierarchy.read_processes,
+                    "write_processes": mine.hierarchy.write_processes}
     # As vLLM's engine core at the end of its start-up: what start-up allocated is never scanned
     # by the collector again, so a step pays only for what serving allocates.
     from vllm.utils.gc_utils import freeze_gc_heap

@@ -83,6 +83,11 @@ class StrataConfig:
     # on CPU engines (the forward keeps the cores; the engine core's thread mostly waits for
     # it), one per read thread on accelerators, whose engine core keeps a thread busy.
     read_processes: int | str = "auto"
+    # Processes framing the disk tier's writes (byte planes, zstd, checksum, MAC) from the host
+    # slab into a frame slab of their own, off the engine-core process's GIL; the store's LMDB
+    # writer thread puts the frames (docs/BENCHMARKS.md, "Writes framed in processes"). 0: the
+    # write threads frame. "auto": 0 on CPU engines, one per write thread on accelerators.
+    write_processes: int | str = "auto"
     max_disk_write_backlog_bytes: int = 512 << 20
     offload_prompt_only: bool = True
     max_age_s: float | None = None
@@ -204,6 +209,12 @@ class StrataConfig:
             return 0 if device_type == "cpu" else self.resolve_io_threads()
         return int(self.read_processes)
 
+    def resolve_write_processes(self, device_type: str) -> int:
+        """Disk write (framing) processes for an engine on ``device_type`` (``write_processes``)."""
+        if self.write_processes == "auto":
+            return 0 if device_type == "cpu" else self.resolve_write_threads(device_type)
+        return int(self.write_processes)
+
     def resolve_sync_loads(self, device_type: str, num_kv_cache_groups: int) -> bool:
         """Whether hits are loaded in the step that computes them (``sync_loads``)."""
         if num_kv_cache_groups != 1:
@@ -298,6 +309,7 @@ _VALIDATORS = {
     "io_threads": values.auto_or(values.int_range(1, 64)),
     "write_threads": values.auto_or(values.int_range(1, 64)),
     "read_processes": values.auto_or(values.int_range(0, 64)),
+    "write_processes": values.auto_or(values.int_range(0, 64)),
     "max_disk_write_backlog_bytes": lambda k, v: values.min_size(k, v, 1 << 20),
     "offload_prompt_only": values.as_bool,
     "max_age_s": values.optional_seconds,

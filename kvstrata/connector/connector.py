@@ -153,6 +153,7 @@ def build_hierarchy(
         read_threads=cfg.resolve_io_threads(),
         write_threads=cfg.resolve_write_threads(device_type),
         read_processes=cfg.resolve_read_processes(device_type),
+        write_processes=cfg.resolve_write_processes(device_type),
         events=events,
         idle_writes=priority in ("auto", "idle"),
         urgent_writes=priority == "auto",

@@ -1,6 +1,7 @@
 """``benchmarks/gil_contention.py``: its options, and one short run (two small chunks, one switch
 interval) that checks the child process reads and encodes the store's chunks, a hierarchy
-promotes them with and without read processes, and every figure is reported. Its speeds are the
+promotes them with and without read processes and writes chunks behind with
+and without write processes, and every figure is reported. Its speeds are the
 experiment's output, never asserted."""
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from benchmarks import gil_contention
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["--switch-intervals", "fast"], "--switch-intervals: comma-separated seconds, not 'fast'"),
-    *[(argv, "--chunk-bytes even, --chunks, --seconds, --batch, --read-processes and --switch-intervals positive")
+    *[(argv, "--chunk-bytes even, --chunks, --seconds, --batch, --processes and --switch-intervals positive")
       for argv in (["--chunk-bytes", "3"], ["--chunks", "0"], ["--seconds", "0"], ["--batch", "0"],
-                   ["--read-processes", "0"], ["--switch-intervals", "0.001,0"])],
+                   ["--processes", "0"], ["--switch-intervals", "0.001,0"])],
 ])
 def test_bad_options_name_what_is_wrong(argv, says, capsys) -> None:
     assert says in refusal(gil_contention.parse_args, argv, capsys)
@@ -28,7 +29,7 @@ def test_bad_options_name_what_is_wrong(argv, says, capsys) -> None:
 def test_a_short_run_reports_every_figure(tmp_path: Path, capsys) -> None:
     interval = sys.getswitchinterval()
     code = gil_contention.main(["--chunk-bytes", str(64 << 10), "--chunks", "2", "--seconds", "0.2",
-                                "--batch", "2", "--read-processes", "1", "--switch-intervals", "0.001", "--dir", str(tmp_path)])
+                                "--batch", "2", "--processes", "1", "--switch-intervals", "0.001", "--dir", str(tmp_path)])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["batch"] == 2 and result["chunk_bytes"] == 64 << 10
     row = result["switch_intervals"]["0.001"]
@@ -47,5 +48,12 @@ def test_a_short_run_reports_every_figure(tmp_path: Path, capsys) -> None:
         assert promoted[f"read_processes_{processes}"]["alone_gbps"] > 0
         assert promoted[f"read_processes_{processes}"]["beside_busy_gbps"] > 0
     assert promoted["processes_vs_threads_beside_busy"] > 0
+    # ... and wrote fresh chunks behind (it raises if one failed or never completed), framed in
+    # its write threads and in its write processes.
+    written = result["writes_behind"]
+    for processes in (0, 1):
+        assert written["0.001"][f"write_processes_{processes}"]["alone_gbps"] > 0
+        assert written["0.001"][f"write_processes_{processes}"]["beside_busy_gbps"] > 0
+    assert written["framed_by_processes"] > 0
     assert sys.getswitchinterval() == interval  # restored
     assert list(tmp_path.iterdir()) == []  # its store is removed

@@ -63,18 +63,19 @@ def test_every_configuration_reports_its_figures(capsys) -> None:
     assert result["kvstrata_device"] == "cuda"
     assert mine["resolved"]["sync_loads"] is False and mine["resolved"]["write_threads"] >= 1
     assert mine["resolved"]["read_processes"] >= 1
+    assert mine["resolved"]["write_processes"] == mine["resolved"]["write_threads"]
 
 
 def test_kvstrata_options_resolve_for_the_device_asked(capsys) -> None:
     """``--kvstrata-device cpu``: a CPU engine's synchronous loads, single write thread and
-    reads in its threads."""
+    reads and framing in its threads."""
     result = run([
         "--configs", "kvstrata", "--kvstrata-device", "cpu", "--users", "2", "--rounds", "1",
         "--system-tokens", "16", "--prompt-tokens", "64", "--question-tokens", "8", "--answer-tokens", "4",
         "--forward-ms", "0", "--forward-us-per-token", "0", "--host-bytes", "8MiB"], capsys)
     assert result["kvstrata_device"] == "cpu"
     assert result["configs"]["kvstrata"]["resolved"] == {"sync_loads": True, "write_threads": 1,
-                                                         "read_processes": 0}
+                                                         "read_processes": 0, "write_processes": 0}
 
 
 def test_the_gpu_waits_for_what_the_engine_core_does_beyond_the_forward() -> None:

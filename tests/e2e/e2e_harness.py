@@ -172,9 +172,11 @@ CASES: dict[str, ModelCase] = {
                                     extra={"blocks_per_chunk": 2, "offload_prompt_only": False}),
     # A GPU's chunking on CPU: 32-token blocks, so blocks_per_chunk "auto" (the default) stores
     # 64-token chunks of two blocks; every boundary of the equivalence prompts moves with it.
+    # And a GPU's writes: framed in processes of the disk tier's own (write_processes "auto"
+    # starts them only on accelerators), so its disk rounds serve what they framed.
     "llama_auto_chunks": ModelCase("llama_auto_chunks", lambda d, s: models.make_tiny_llama(d, seed=s),
                                    engine={**FP32, "block_size": 32}, serves_prompt_tails=True,
-                                   block=32, auto_blocks_per_chunk=2),
+                                   block=32, auto_blocks_per_chunk=2, extra={"write_processes": 2}),
     "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s), engine=FP32,
                         serves_prompt_tails=True, window=64, restarts=(TIGHT_HOST,)),
     # GDN blocks are storable only when prefill chunks end on the 384-token block. One sequence

@@ -158,6 +158,27 @@ def test_read_processes_auto_is_none_on_cpu_and_one_per_read_thread_off_it(
             StrataConfig.from_extra_config({"read_processes": bad})
 
 
+def test_write_processes_auto_is_none_on_cpu_and_one_per_write_thread_off_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstrata.config as config
+
+    cfg = StrataConfig.from_extra_config({})
+    assert cfg.write_processes == "auto"
+    for cores, processes in ((1, 1), (2, 2), (64, 4)):
+        monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert cfg.resolve_write_processes("cuda") == cfg.resolve_write_processes("xpu") == processes
+        assert cfg.resolve_write_processes("cpu") == 0
+    threads = StrataConfig.from_extra_config({"write_threads": 3})
+    assert threads.resolve_write_processes("cuda") == 3  # one per write thread
+    assert threads.resolve_write_processes("cpu") == 0
+    explicit = StrataConfig.from_extra_config({"write_processes": "2"})
+    assert explicit.resolve_write_processes("cpu") == explicit.resolve_write_processes("cuda") == 2
+    assert StrataConfig.from_extra_config({"write_processes": 0}).resolve_write_processes("cuda") == 0
+    for bad in (-1, 65, "many", 1.5):
+        with pytest.raises(ConfigError, match="write_processes"):
+            StrataConfig.from_extra_config({"write_processes": bad})
+
+
 def test_switch_interval_is_only_ever_lowered() -> None:
     import sys
 

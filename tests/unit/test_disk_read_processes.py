@@ -24,7 +24,8 @@ from hierarchy_helpers import (
 
 from kvstrata.auth import ValueAuth
 from kvstrata.tiers.disk import DiskStore
-from kvstrata.tiers.disk.readers import DiskReaders, ReadersUnavailable
+from kvstrata.tiers.disk.children import ProcessesUnavailable
+from kvstrata.tiers.disk.readers import DiskReaders
 from kvstrata.tiers.host import HostSlab
 
 SLOT = 1 << 16
@@ -122,7 +123,7 @@ def test_a_process_that_dies_leaves_its_reads_to_the_calling_thread(tmp_path: Pa
         assert got == [(0, SLOT), (1, SLOT), (2, SLOT)] and not readers.available
         for i in range(3):
             assert np.array_equal(slab.slot(i), value(i))
-        with pytest.raises(ReadersUnavailable):
+        with pytest.raises(ProcessesUnavailable):
             readers.read_many([(k(0), 0, 0, SLOT)], lambda i, o: None)
 
 
@@ -138,7 +139,7 @@ def test_closing_the_store_stops_its_processes(tmp_path: Path, slab) -> None:
 def test_processes_that_cannot_open_the_slab_are_refused_with_the_reason(tmp_path: Path, slab) -> None:
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         put(s, 1)
-        with pytest.raises(ReadersUnavailable, match="could not start.*slab"):
+        with pytest.raises(ProcessesUnavailable, match="could not start.*slab"):
             DiskReaders(tmp_path / "db", tmp_path / "no-slab", SLOT, 8, processes=1)
     assert children_of(os.getpid()) == []
 
@@ -176,7 +177,7 @@ def test_callers_waiting_for_a_process_are_let_go_when_the_pool_stops(tmp_path: 
     def call(items: list, answer) -> None:
         try:
             readers.read_many(items, answer)
-        except ReadersUnavailable:
+        except ProcessesUnavailable:
             raised.append(threading.current_thread().name)
 
     first = threading.Thread(target=call, args=([(k(0), 0, 0, SLOT), (k(1), 1, 0, SLOT)], hold), name="first")

@@ -5,38 +5,37 @@ kvstrata.tiers.disk.read_process FD``, FD one end of a socket pair."""
 
 from __future__ import annotations
 
-import signal
 import sys
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
+
+from kvstrata.tiers.disk.children import Handler, serve
 
 
-def serve(conn: Connection) -> None:
-    """The child: open the store read-only and the slab, then read batches until the pipe closes."""
+def start(setup: dict[str, Any]) -> tuple[Handler, Callable[[], None]]:
+    """Open the store read-only and the slab; the handler of a batch of reads, and the close."""
     from kvstrata.tiers.disk.store import DiskStore
     from kvstrata.tiers.host.slab import HostSlab
 
-    # Stopped by its pipe closing, not by the terminal's Ctrl-C (the engine handles that).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    setup = conn.recv()
+    store = DiskStore(setup["store_path"], budget_bytes=1, readonly=True, create=False,
+                      map_size=setup["map_size"], auth=setup["auth"])
     try:
-        store = DiskStore(setup["store_path"], budget_bytes=1, readonly=True, create=False,
-                          map_size=setup["map_size"], auth=setup["auth"])
         slab = HostSlab(setup["slab_path"], setup["slot_bytes"], setup["num_slots"], create=False)
-    except Exception as exc:  # told to the parent, which fails the pool with it
-        conn.send(f"{type(exc).__name__}: {exc}")
-        return
-    conn.send("ready")
-    try:
-        while True:
-            items = conn.recv()
-            for key, slot, offset, length in items:
-                conn.send(store.read_outcome(key, slab.view(slot, offset, length)))
-    except (EOFError, OSError):  # the pipe closed: the parent closed the pool or died
-        return
-    finally:
+    except BaseException:
+        store.close()
+        raise
+
+    def handle(items: list[tuple[bytes, int, int, int]], send: Callable[[Any], None]) -> None:
+        for key, slot, offset, length in items:
+            send(store.read_outcome(key, slab.view(slot, offset, length)))
+
+    def close() -> None:
         slab.close()
         store.close()
 
+    return handle, close
+
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1])))
+    serve(Connection(int(sys.argv[1])), start)

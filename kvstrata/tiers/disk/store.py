@@ -32,9 +32,11 @@ from kvstrata.tiers import codec
 from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.codec import parse_mode as parse_codec_mode
+from kvstrata.tiers.disk.children import ProcessesUnavailable
 from kvstrata.tiers.disk.counters import Counters
+from kvstrata.tiers.disk.encoders import DiskEncoders, EncodeItem, Framed
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
-from kvstrata.tiers.disk.readers import DiskReaders, ReadersUnavailable
+from kvstrata.tiers.disk.readers import DiskReaders
 from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
 from kvstrata.tiers.disk.writer import PutJob, Writer, now_us
 
@@ -117,6 +119,8 @@ class DiskStore:
         self._map_size = map_size
         self._readers: DiskReaders | None = None  # use_read_processes
         self._readers_slab: HostSlab | None = None
+        self._encoders: DiskEncoders | None = None  # use_write_processes
+        self._encoders_slab: HostSlab | None = None
         self.h = self._env.handles
         self.unclean_shutdown = self._env.unclean
         self._writer: Writer | None = None
@@ -202,7 +206,7 @@ class DiskStore:
             try:
                 readers.read_many([items[i] for i in sent], answer)
                 return
-            except ReadersUnavailable:
+            except ProcessesUnavailable:
                 sent = sent[done:]  # read here, over what a dying process may have half written
         if slab is None:
             raise ValueError("get_many_into_slab needs use_read_processes first")
@@ -213,7 +217,10 @@ class DiskStore:
     def use_read_processes(self, slab: HostSlab, processes: int) -> None:
         """Read chunks for ``get_many_into_slab`` in ``processes`` processes of their own, each
         with the store open read-only and ``slab`` mapped (``disk/readers.py``); 0 reads in the
-        calling threads. Raises ReadersUnavailable when they cannot start."""
+        calling threads. Raises ProcessesUnavailable when they cannot start."""
+        if self._readers is not None and (slab is not self._readers_slab or processes <= 0):
+            self._readers.close()  # started for another slab, or no longer wanted
+            self._readers = None
         self._readers_slab = slab
         if processes > 0 and self._readers is None:
             self._readers = DiskReaders(self.path, slab.path, slab.slot_bytes, slab.num_slots,
@@ -419,27 +426,44 @@ class DiskStore:
         writer thread (in this thread when nothing had to be written). So an idle-priority
         caller, which a busy CPU may not run again for a second, does not hold up the report
         of a committed write (docs/BENCHMARKS.md, "A write is reported when it commits")."""
-        present, futures = self._submit_puts(entries)
-        if not futures:
-            done(present)
-            return
-        lock = threading.Lock()
-        left = len(futures)
+        _when_committed(*self._submit_puts(entries), done)
 
-        def one_done(_fut: Future[bool]) -> None:
-            nonlocal left
-            with lock:
-                left -= 1
-                if left:
-                    return
-            done(present + sum(1 for fut in futures if fut.result()))
+    def put_many_from_slab_then(self, items: Sequence[EncodeItem], done: Callable[[int], None]) -> None:
+        """``put_many_then`` of ``(key, slot, offset, length, dtype)`` shards of the host slab the
+        write processes were given (:meth:`use_write_processes`), framed in those processes;
+        without them, or once they fail, framed here."""
+        slab = self._encoders_slab
+        if slab is None:
+            raise ValueError("put_many_from_slab_then needs use_write_processes first")
+        entries = [(key, slab.view(slot, offset, length), dtype) for key, slot, offset, length, dtype in items]
+        _when_committed(*self._submit_puts(entries, items), done)
 
-        for fut in futures:
-            fut.add_done_callback(one_done)
+    def use_write_processes(self, slab: HostSlab, processes: int, *, idle: bool = False) -> None:
+        """Frame chunks for ``put_many_from_slab_then`` in ``processes`` processes of their own,
+        each with ``slab`` mapped (``disk/encoders.py``), at idle CPU priority if ``idle``; 0
+        frames in the calling threads. Raises ProcessesUnavailable when they cannot start."""
+        if self._encoders is not None and (slab is not self._encoders_slab or processes <= 0):
+            self._encoders.close()  # started for another slab, or no longer wanted
+            self._encoders = None
+        self._encoders_slab = slab
+        if processes > 0 and self._encoders is None:
+            # A frame slot holds the frames of one put_many call: at most a slot of the slab,
+            # plus each shard's frame header and plane table.
+            self._encoders = DiskEncoders(
+                slab.path, slab.slot_bytes, slab.num_slots, processes=processes,
+                frame_slot_bytes=slab.slot_bytes + (64 << 10), auth=self._auth, level=self._level,
+                mode=self._codec_mode, idle=idle)
 
-    def _submit_puts(self, entries: Sequence[tuple[bytes, Buffer, str]]) -> tuple[int, list[Future[bool]]]:
-        """Compress the entries not stored yet and queue them for the writer: (entries already
-        stored, the queued puts' futures)."""
+    @property
+    def write_processes(self) -> DiskEncoders | None:
+        """The processes ``put_many_from_slab_then`` frames in (``use_write_processes``), or None."""
+        return self._encoders
+
+    def _submit_puts(self, entries: Sequence[tuple[bytes, Buffer, str]],
+                     slab_items: Sequence[EncodeItem] | None = None) -> tuple[int, list[Future[bool]]]:
+        """Frame the entries not stored yet and queue them for the writer: (entries already
+        stored, the queued puts' futures). With ``slab_items`` (the same entries as places in
+        the write processes' slab) the write processes frame them, as far as they can."""
         if not entries:
             return 0, []
         for key, data, dtype in entries:  # ValueError for bad input before any work
@@ -455,21 +479,42 @@ class DiskStore:
         except (StoreUnavailableError, lmdb.Error):
             self._counts.bump("admission_drops", len(entries))
             return 0, []
-        stored = 0
-        futures: list[Future[bool]] = []
-        for (key, data, dtype), here in zip(entries, present, strict=True):
+        todo = [i for i, here in enumerate(present) if not here]
+        stored = len(entries) - len(todo)
+        for i, here in enumerate(present):
             if here:
-                stored += 1
-                self._touch([key])
-                continue
-            frame = codec.encode(data, dtype, key=key, level=self._level, mode=self._codec_mode)
-            mac = b"" if self._auth is None else self._auth.tag(key, frame)
-            job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future(), mac)
-            if not writer.submit(job):
-                self._counts.bump("admission_drops")
-                continue
-            futures.append(job.future)
+                self._touch([entries[i][0]])
         self._counts.bump("put_present", stored)
+        framed: list[Framed] = [None] * len(todo)
+        frame_slot = None
+        encoders = self._encoders
+        if slab_items is not None and encoders is not None and encoders.available and todo:
+            try:
+                frame_slot, framed = encoders.encode_many([slab_items[i] for i in todo])
+            except ProcessesUnavailable:
+                pass  # framed here
+        futures: list[Future[bool]] = []
+        in_frame_slot: list[Future[bool]] = []  # the puts whose frames are in frame_slot
+        try:
+            for i, got in zip(todo, framed, strict=True):
+                key, data, dtype = entries[i]
+                if got is None:
+                    frame: bytes | memoryview = codec.encode(data, dtype, key=key, level=self._level, mode=self._codec_mode)
+                    mac = b"" if self._auth is None else self._auth.tag(key, frame)
+                else:
+                    frame, mac = got
+                job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future(), mac)
+                if not writer.submit(job):
+                    self._counts.bump("admission_drops")
+                    continue
+                futures.append(job.future)
+                if got is not None:
+                    in_frame_slot.append(job.future)
+        finally:
+            self._counts.bump("process_framed", sum(got is not None for got in framed))
+            if frame_slot is not None:  # free again once the puts framed into it are done
+                assert encoders is not None
+                _when_committed(0, in_frame_slot, partial(_release_frames, encoders, frame_slot))
         return stored, futures
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -517,6 +562,8 @@ class DiskStore:
             self._closed = True
             if self._readers is not None:
                 self._readers.close()
+            if self._encoders is not None:
+                self._encoders.close()  # the puts they framed are still written (the frames stay mapped)
             writer = self._writer
             if writer is not None:
                 writer.request_stop()
@@ -592,3 +639,28 @@ class DiskStore:
             return
         self._logged_damage.add(kind)
         log.warning("store at %s: %s%s", self.path, what, f": {exc}" if exc is not None else "")
+
+
+def _release_frames(encoders: DiskEncoders, frame_slot: int, _stored: int) -> None:
+    encoders.release(frame_slot)
+
+
+def _when_committed(present: int, futures: list[Future[bool]], done: Callable[[int], None]) -> None:
+    """``done(present + the puts among futures that were written)`` once every future is done:
+    on the thread that finishes the last (here when there is none)."""
+    if not futures:
+        done(present)
+        return
+    lock = threading.Lock()
+    left = len(futures)
+
+    def one_done(_fut: Future[bool]) -> None:
+        nonlocal left
+        with lock:
+            left -= 1
+            if left:
+                return
+        done(present + sum(1 for fut in futures if fut.result()))
+
+    for fut in futures:
+        fut.add_done_callback(one_done)

@@ -100,6 +100,7 @@ class Hierarchy:
         read_threads: int = 2,
         write_threads: int = 1,
         read_processes: int = 0,
+        write_processes: int = 0,
         offer_tracker_size: int = 1 << 17,
         events: bool = False,
         idle_writes: bool = True,
@@ -124,13 +125,15 @@ class Hierarchy:
             clock=clock)
         for link in links:
             link.reuse = ReuseMeter(write_reuse_half_life_bytes or max(1, 2 * s.slab.nbytes))
-            link.slab_reads = _use_read_processes(link.tier, s.slab, read_processes)
+            link.slab_reads = _use_processes(link.tier, "read", s.slab, read_processes)
+            link.slab_writes = _use_processes(link.tier, "write", s.slab, write_processes, idle=idle_writes)
         self.pool = host_pool
         self.slab = s.slab
         self.namespaces = s.namespaces
         self.shard_bytes = s.shard_bytes
         self.write_threads = write_threads  # per lower tier
         self.read_processes = read_processes  # per lower tier that reads into the slab itself
+        self.write_processes = write_processes  # per lower tier that frames from the slab itself
         self._pipe = Pipeline(links, read_threads=read_threads, write_threads=write_threads,
                               max_concurrent_reads=max_concurrent_reads, idle_writes=idle_writes,
                               urgent_writes=urgent_writes)
@@ -431,17 +434,19 @@ def _per_tier(name: str, value: Any, n: int) -> list[Any]:
     return values
 
 
-def _use_read_processes(tier: LowerTier, slab: HostSlab, processes: int) -> bool:
-    """Have ``tier`` read promotions into ``slab`` in ``processes`` processes of its own (a
-    disk tier: ``DiskStore.use_read_processes``); False when it reads in the pipeline's threads
-    (no processes asked for, a tier that has none, or they could not start: logged)."""
-    use = getattr(tier, "use_read_processes", None)
+def _use_processes(tier: LowerTier, what: Literal["read", "write"], slab: HostSlab, processes: int,
+                   **kw: Any) -> bool:
+    """Have ``tier`` read promotions into ``slab`` (``what`` "read") or frame writes from it
+    ("write") in ``processes`` processes of its own (a disk tier: ``DiskStore.use_read_processes``
+    and ``use_write_processes``); False when it does that in the pipeline's threads (no processes
+    asked for, a tier that has none, or they could not start: logged)."""
+    use = getattr(tier, f"use_{what}_processes", None)
     if processes <= 0 or use is None:
         return False
     try:
-        use(slab, processes)
-    except (RuntimeError, OSError) as exc:  # disk.readers.ReadersUnavailable is a RuntimeError
-        logger.warning("kvstrata: the disk read processes did not start (%s); reading in the "
-                       "engine's threads", exc)
+        use(slab, processes, **kw)
+    except (RuntimeError, OSError) as exc:  # disk.children.ProcessesUnavailable is a RuntimeError
+        logger.warning("kvstrata: the disk %s processes did not start (%s); working in the "
+                       "engine's threads", what, exc)
         return False
     return True

@@ -59,6 +59,8 @@ class TierLink:
     resident: set[bytes] = field(default_factory=set)  # host chunks known to be in this tier
     # Promotions read straight into the slab by the tier's own processes (get_many_into_slab).
     slab_reads: bool = False
+    # The tier frames writes from the host slab in processes of its own (DiskStore.use_write_processes).
+    slab_writes: bool = False
     queued: set[bytes] = field(default_factory=set)  # being written, or deferred
     # Queued chunks the tier reported removed meanwhile: a write that committed just before the
     # removal must not mark them resident afterwards.

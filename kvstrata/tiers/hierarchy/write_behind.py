@@ -292,23 +292,29 @@ class WriteBehind:
             done, key, slot, group = link.waiting_writes.popleft()
         except IndexError:
             return
+        s = self.s
         if urgent:
-            with self.s.lock:
+            with s.lock:
                 link.writes["urgent"] += 1
-                self.s.counts["writes_urgent"] += 1
-        dtype = self.s.group_dtypes[group]
-        entries = [(ns + key, view, dtype)
-                   for ns, view in zip(self.s.namespaces, self.s.shard_views(slot, group), strict=True)]
+                s.counts["writes_urgent"] += 1
+        dtype = s.group_dtypes[group]
+        shard = s.group_shard_bytes[group]
         loop = self.pipe.loop
 
         def stored(n: int) -> None:
             try:
-                loop.call_soon_threadsafe(_resolve, done, n == len(entries))
+                loop.call_soon_threadsafe(_resolve, done, n == len(s.namespaces))
             except RuntimeError:  # the loop is closed: nobody waits for the outcome any more
                 pass
 
         try:
-            link.tier.put_many_then(entries, stored)
+            if link.slab_writes and not urgent:  # (an urgent write is framed in its own thread at once)
+                items = [(ns + key, slot, r * s.shard_bytes, shard, dtype) for r, ns in enumerate(s.namespaces)]
+                link.tier.put_many_from_slab_then(items, stored)  # type: ignore[attr-defined]  # a disk tier
+            else:
+                entries = [(ns + key, view, dtype)
+                           for ns, view in zip(s.namespaces, s.shard_views(slot, group), strict=True)]
+                link.tier.put_many_then(entries, stored)
         except Exception:
             logger.exception("kvstrata: %s write of %s failed", link.name, key.hex())
             stored(0)

@@ -133,7 +133,8 @@ def test_auto_priority_writes_at_idle_priority_on_cpu_engines_only(
     host stalls the engine thread: docs/BENCHMARKS.md, "Idle-priority writes on a saturated
     host"). ``write_threads: auto``: one on a CPU engine, one per usable core (at most four)
     on an accelerator's, whose prefill outruns one thread's compression; ``read_processes:
-    auto``, none on a CPU engine, one per read thread on an accelerator's."""
+    auto``, none on a CPU engine, one per read thread on an accelerator's; ``write_processes``
+    likewise, one per write thread."""
     import os
     import time
 
@@ -168,3 +169,6 @@ def test_auto_priority_writes_at_idle_priority_on_cpu_engines_only(
     # (an accelerator's engine core keeps a Python thread busy: docs/BENCHMARKS.md).
     assert hierarchy.read_processes == (0 if device == "cpu" else min(4, len(os.sched_getaffinity(0))))
     assert [link.slab_reads for link in hierarchy._s.links] == [device != "cpu"]  # noqa: SLF001
+    # ``write_processes: auto``: the disk's writes framed in processes of their own off CPU.
+    assert hierarchy.write_processes == hierarchy.write_threads * (device != "cpu")
+    assert [link.slab_writes for link in hierarchy._s.links] == [device != "cpu"]  # noqa: SLF001

@@ -291,6 +291,26 @@ def test_a_lookup_s_promotions_read_once_the_step_is_scheduled(runners, tmp_path
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+def test_writes_framed_by_the_write_processes_are_served_after_a_restart(runners, tmp_path: Path, tp: int) -> None:
+    """``write_processes``: the engine's writes to its disk are framed by processes of its disk
+    tier from the host slab (every shard of a chunk from its place); the restarted engine loads
+    every chunk from them, each loaded page byte-checked."""
+    store = tmp_path / "persist"
+    prompt = token_prompt(96)
+    first = runners([G("full", 16)], store=store, tp=tp, extra={"write_processes": 2})
+    hierarchy = first.connector.scheduler.hierarchy
+    assert [link.slab_writes for link in hierarchy._s.links] == [True]  # noqa: SLF001
+    first.serve(prompt, 1)
+    disk = hierarchy.tiers[0]
+    first.close()  # every write behind done
+    assert disk.stats()["process_framed"] == 6 * tp  # 6 chunks, one record per rank
+    second = runners([G("full", 16)], store=store, tp=tp)
+    assert second.serve(prompt, 1) == 96 and second.load_errors == []
+    assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["load_failures"] == 0
+    second.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
 def test_disk_hits_are_read_by_the_read_processes(runners, tmp_path: Path, tp: int) -> None:
     """``read_processes``: the restarted engine's promotions are read by processes of its disk
     tier straight into the host slab (every shard of a chunk at its place), streamed to the

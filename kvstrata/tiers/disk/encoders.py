@@ -1,0 +1,108 @@
+"""Framing a disk tier's writes in processes of their own (``disk/children.py``): a chunk's byte
+planes, zstd, checksum and MAC, off the engine-core process's GIL (beside one busy Python thread
+an encode thread keeps a third of its speed, docs/BENCHMARKS.md, "The tiers' threads beside a
+busy Python thread").
+
+A child reads the chunk from the host slab (shared memory) and writes its frame into a slot of
+a *frame slab*, a second shared-memory slab made for the pool; only keys, places and the MAC
+cross the pipe. The store's single LMDB writer then puts the frame straight from the frame slab:
+LMDB has one writer per store, and a child committing itself would also make the writer's index
+mirror stale at every commit. A frame slot stays taken until the puts framed into it committed
+(or were dropped); callers wait for a free one, so the pool holds back as many puts as it has
+frame slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvstrata.tiers.disk.children import POLL_S, ChildPool, ProcessesUnavailable
+from kvstrata.tiers.host.slab import HostSlab
+
+if TYPE_CHECKING:
+    from kvstrata.auth import ValueAuth
+    from kvstrata.tiers.codec import Mode
+
+# One chunk shard to frame: (store key, slab slot, offset in the slot, bytes, dtype).
+EncodeItem = tuple[bytes, int, int, int, str]
+# A frame in the frame slab and its MAC (b"" without an auth key), or None: frame it yourself.
+Framed = tuple[memoryview, bytes] | None
+ALIGN = 64  # frames start on cache lines
+FRAME_SLOTS_PER_PROCESS = 2  # one being put while the next is framed
+
+
+class DiskEncoders(ChildPool):
+    """Child processes framing chunks of a host slab into a frame slab (module docstring)."""
+
+    def __init__(self, slab_path: str | Path, slot_bytes: int, num_slots: int, *, processes: int,
+                 frame_slot_bytes: int, auth: ValueAuth | None = None, level: int = 1,
+                 mode: Mode = "auto", idle: bool = False, frames_dir: str | Path | None = None) -> None:
+        if frames_dir is None:  # shared memory, as the host slab's
+            frames_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, frames_path = tempfile.mkstemp(prefix="kvstrata-frames-", suffix=".slab", dir=frames_dir)
+        os.close(fd)
+        self.frames: HostSlab | None = None
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        try:
+            self.frames = HostSlab(frames_path, frame_slot_bytes, FRAME_SLOTS_PER_PROCESS * processes)
+            setup = {"slab_path": str(slab_path), "slot_bytes": slot_bytes, "num_slots": num_slots,
+                     "frames_path": frames_path, "frame_slot_bytes": frame_slot_bytes,
+                     "frame_slots": self.frames.num_slots, "auth": auth, "level": level,
+                     "mode": mode, "idle": idle}
+            super().__init__("kvstrata.tiers.disk.encode_process", setup, processes=processes,
+                             what="encode")
+        except BaseException:
+            if self.frames is not None:
+                self.frames.close()
+            raise
+        finally:
+            # Every process has it mapped (or failed): nothing is left behind when all exit.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(frames_path)
+        for i in range(self.frames.num_slots):
+            self._free.put(i)
+
+    def encode_many(self, items: Sequence[EncodeItem]) -> tuple[int, list[Framed]]:
+        """Frame every item into one frame slot: ``(the slot, per item its frame and MAC, or
+        None where the caller must frame it itself)``: the slot's frames did not fit, the child
+        failed on it, or the pool stopped (then every item not framed yet). Release the slot
+        with :meth:`release` once no frame in it is needed any more. Raises
+        ProcessesUnavailable, holding no slot, when the pool cannot frame anything."""
+        frames = self.frames
+        assert frames is not None
+        while True:
+            if not self.available:
+                raise ProcessesUnavailable("the encode processes are closed or gone")
+            try:
+                slot = self._free.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                continue
+        out: list[Framed] = [None] * len(items)
+
+        def answer(i: int, outcome: tuple) -> None:
+            if outcome[0] == "ok":
+                _, offset, length, mac = outcome
+                out[i] = (frames.view(slot, offset, length), mac)
+
+        try:
+            self.run((slot, list(items)), len(items), answer)
+        except ProcessesUnavailable:
+            pass  # what was framed stands; the caller frames the rest
+        return slot, out
+
+    def release(self, slot: int) -> None:
+        """The frames in ``slot`` are no longer needed (their puts committed or were dropped)."""
+        self._free.put(slot)
+
+    def close(self) -> None:
+        """Stop the children; frames handed out stay readable until their views are gone."""
+        super().close()
+        if self.frames is not None:
+            self.frames.close()

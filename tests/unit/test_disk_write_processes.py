@@ -1,0 +1,196 @@
+"""Disk writes framed in processes of their own (``write_processes``, ``tiers/disk/encoders.py``):
+child processes frame chunks of a real host slab into a frame slab and the store's own LMDB
+writer puts them from there. What is stored reads back as the slab's bytes, under the store's
+MAC key; a frame that does not fit its frame slot, a child that dies, a pool that stops: the
+calling thread frames the rest; frame slots come back once their puts committed; closing
+leaves no process and no file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hierarchy_helpers import DEADLINE_S, NS, holds, key, on_disk, store
+
+from kvstrata.auth import ValueAuth
+from kvstrata.tiers import codec
+from kvstrata.tiers.disk import DiskStore
+from kvstrata.tiers.disk.children import ProcessesUnavailable
+from kvstrata.tiers.disk.encoders import FRAME_SLOTS_PER_PROCESS, DiskEncoders
+from kvstrata.tiers.host import HostSlab
+
+SLOT = 1 << 16
+A = ValueAuth(b"disk-secret-a-0123456789abcdef")
+B = ValueAuth(b"disk-secret-b-0123456789abcdef")
+
+
+def value(i: int) -> np.ndarray:
+    """A slot's worth of bf16-like bytes: the low bytes random, the high ones few (compressible)."""
+    rng = np.random.default_rng(i)
+    v = np.empty(SLOT, dtype=np.uint8)
+    v[0::2] = rng.integers(0, 256, SLOT // 2, dtype=np.uint8)
+    v[1::2] = rng.integers(60, 64, SLOT // 2, dtype=np.uint8)
+    return v
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+@pytest.fixture
+def slab(tmp_path: Path):
+    s = HostSlab(tmp_path / "slab", SLOT, 8)
+    for i in range(8):
+        s.slot(i)[:] = value(i)
+    yield s
+    s.close()
+
+
+def encode_children(pid: int) -> list[int]:
+    """This process's disk encode processes (not the other children tests started)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid and b"kvstrata.tiers.disk.encode_process" in cmdline:
+                out.append(int(entry))
+    return out
+
+
+def put_from_slab(s: DiskStore, items: list[tuple[bytes, int, int, int, str]]) -> int:
+    done = threading.Event()
+    got: list[int] = []
+
+    def stored(n: int) -> None:
+        got.append(n)
+        done.set()
+
+    s.put_many_from_slab_then(items, stored)
+    assert done.wait(DEADLINE_S), "the puts never committed"
+    return got[0]
+
+
+def read(s: DiskStore, key_: bytes, n: int) -> bytes | None:
+    out = bytearray(n)
+    return bytes(out) if s.get_into(key_, out) == n else None
+
+
+def test_processes_frame_what_the_store_reads_back_as_the_slabs_bytes(tmp_path: Path, slab) -> None:
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+        s.use_write_processes(slab, 2)
+        assert s.write_processes is not None and len(encode_children(os.getpid())) == 2
+        # Whole slots, a shard at an offset inside a slot, bf16 and uint8 alike.
+        items = [(k(0), 0, 0, SLOT, "bfloat16"), (k(1), 1, 4096, SLOT - 4096, "uint8")]
+        assert put_from_slab(s, items) == 2
+        assert s.stats()["process_framed"] == 2
+        assert read(s, k(0), SLOT) == value(0).tobytes()
+        assert read(s, k(1), SLOT - 4096) == value(1)[4096:].tobytes()
+        # The same frames the store's own threads write: its codec, level and mode.
+        assert s.stats()["stored_bytes"] == sum(
+            len(codec.encode(bytes(slab.view(slot, off, n)), dt, key=key_))
+            for key_, slot, off, n, dt in items)
+        # Stored already: counted as stored, framed by nobody.
+        assert put_from_slab(s, items) == 2 and s.stats()["process_framed"] == 2
+
+
+def test_the_processes_tag_values_with_the_stores_key(tmp_path: Path, slab) -> None:
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30, auth=A) as s:
+        s.use_write_processes(slab, 1)
+        assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16") for i in range(3)]) == 3
+        assert s.stats()["process_framed"] == 3
+        assert read(s, k(2), SLOT) == value(2).tobytes()
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30, auth=B) as s:  # another key: forged
+        assert read(s, k(0), SLOT) is None and s.stats()["forged"] == 1
+
+
+def test_a_frame_that_does_not_fit_its_frame_slot_is_framed_by_the_caller(tmp_path: Path, slab) -> None:
+    """One put_many call's frames share one frame slot, a slab slot and some: two whole slots of
+    raw (incompressible) data do not fit, and the second is framed in the calling thread."""
+    for i in (2, 3):
+        slab.slot(i)[:] = np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+        s.use_write_processes(slab, 1)
+        assert put_from_slab(s, [(k(2), 2, 0, SLOT, "uint8"), (k(3), 3, 0, SLOT, "uint8")]) == 2
+        assert s.stats()["process_framed"] == 1
+        for i in (2, 3):
+            assert read(s, k(i), SLOT) == bytes(slab.view(i, 0, SLOT))
+
+
+def test_frame_slots_come_back_once_their_puts_committed(tmp_path: Path, slab) -> None:
+    """More put calls than frame slots, one after the other: each waits for a free slot, which
+    only a committed (or refused) put gives back; none may hang."""
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+        s.use_write_processes(slab, 1)
+        calls = 3 * FRAME_SLOTS_PER_PROCESS
+        for c in range(calls):
+            assert put_from_slab(s, [(k(100 + c), c % 8, 0, SLOT, "bfloat16")]) == 1
+        assert s.stats()["process_framed"] == calls
+        encoders = s.write_processes
+        assert encoders is not None
+        taken: list[int] = []  # every frame slot is free again: each of these gets one at once
+        t = threading.Thread(target=lambda: taken.extend(
+            encoders.encode_many([(k(1), 1, 0, SLOT, "uint8")])[0] for _ in range(FRAME_SLOTS_PER_PROCESS)))
+        t.start()
+        t.join(DEADLINE_S)
+        assert sorted(taken) == list(range(FRAME_SLOTS_PER_PROCESS)), taken
+
+
+def test_a_process_that_dies_leaves_its_framing_to_the_calling_thread(tmp_path: Path, slab) -> None:
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+        s.use_write_processes(slab, 1)
+        encoders = s.write_processes
+        assert encoders is not None
+        (child,) = encode_children(os.getpid())
+        os.kill(child, signal.SIGKILL)
+        assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16") for i in range(3)]) == 3
+        assert not encoders.available and s.stats()["process_framed"] == 0
+        for i in range(3):
+            assert read(s, k(i), SLOT) == value(i).tobytes()
+        with pytest.raises(ProcessesUnavailable):
+            encoders.encode_many([(k(0), 0, 0, SLOT, "uint8")])
+
+
+def test_closing_the_store_stops_its_processes_and_leaves_no_frame_slab(tmp_path: Path, slab) -> None:
+    s = DiskStore(tmp_path / "db", budget_bytes=1 << 30)
+    s.use_write_processes(slab, 2)
+    assert len(encode_children(os.getpid())) == 2
+    encoders = s.write_processes
+    assert encoders is not None and encoders.frames is not None
+    assert not os.path.exists(encoders.frames.path)  # unlinked once every process mapped it
+    put_from_slab(s, [(k(0), 0, 0, SLOT, "bfloat16")])
+    s.close()
+    assert encode_children(os.getpid()) == []
+
+
+def test_processes_that_cannot_open_the_slab_are_refused_with_the_reason(tmp_path: Path) -> None:
+    (tmp_path / "frames").mkdir()
+    with pytest.raises(ProcessesUnavailable, match="could not start.*slab"):
+        DiskEncoders(tmp_path / "no-slab", SLOT, 8, processes=1, frame_slot_bytes=SLOT,
+                     frames_dir=tmp_path / "frames")
+    assert encode_children(os.getpid()) == []
+    assert list((tmp_path / "frames").iterdir()) == []  # the frame slab is gone too
+
+
+def test_a_hierarchy_writes_behind_through_its_write_processes(env) -> None:
+    disk = env.disk()
+    keys = [key(i) for i in range(6)] + [key(i, group=1) for i in range(2)]
+    h = env.hier(disk, slots=16, write_processes=2, idle_writes=False)
+    assert [link.slab_writes for link in h._s.links] == [True]  # noqa: SLF001
+    store(h, keys)
+    assert h.close()  # every write behind done
+    assert all(on_disk(disk, x) for x in keys)
+    assert disk.stats()["process_framed"] == len(keys) * len(NS)
+    h = env.hier(disk, slots=16)  # a fresh host tier over the same disk: the bytes come back
+    h.promote(keys)
+    assert h.wait_promotions(keys, DEADLINE_S)
+    slots = h.prepare_load(keys)
+    assert all(holds(h.slab, slot, x) for x, slot in zip(keys, slots, strict=True))
+    h.complete_load(keys)
