@@ -137,7 +137,7 @@ def test_frame_slots_come_back_once_their_puts_committed(tmp_path: Path, slab) -
         assert encoders is not None
         taken: list[int] = []  # every frame slot is free again: each of these gets one at once
         t = threading.Thread(target=lambda: taken.extend(
-            encoders.encode_many([(k(1), 1, 0, SLOT, "uint8")])[0] for _ in range(FRAME_SLOTS_PER_PROCESS)))
+            encoders.frame_many([(k(1), 1, 0, SLOT, "uint8")]).slot for _ in range(FRAME_SLOTS_PER_PROCESS)))
         t.start()
         t.join(DEADLINE_S)
         assert sorted(taken) == list(range(FRAME_SLOTS_PER_PROCESS)), taken
@@ -155,7 +155,7 @@ def test_a_process_that_dies_leaves_its_framing_to_the_calling_thread(tmp_path: 
         for i in range(3):
             assert read(s, k(i), SLOT) == value(i).tobytes()
         with pytest.raises(ProcessesUnavailable):
-            encoders.encode_many([(k(0), 0, 0, SLOT, "uint8")])
+            encoders.frame_many([(k(0), 0, 0, SLOT, "uint8")])
 
 
 def test_closing_the_store_stops_its_processes_and_leaves_no_frame_slab(tmp_path: Path, slab) -> None:

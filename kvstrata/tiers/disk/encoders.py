@@ -19,10 +19,13 @@ import os
 import queue
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstrata.tiers.disk.children import POLL_S, ChildPool, ProcessesUnavailable
+from kvstrata.tiers.disk.writer import when_committed
 from kvstrata.tiers.host.slab import HostSlab
 
 if TYPE_CHECKING:
@@ -68,12 +71,12 @@ class DiskEncoders(ChildPool):
         for i in range(self.frames.num_slots):
             self._free.put(i)
 
-    def encode_many(self, items: Sequence[EncodeItem]) -> tuple[int, list[Framed]]:
-        """Frame every item into one frame slot: ``(the slot, per item its frame and MAC, or
-        None where the caller must frame it itself)``: the slot's frames did not fit, the child
-        failed on it, or the pool stopped (then every item not framed yet). Release the slot
-        with :meth:`release` once no frame in it is needed any more. Raises
-        ProcessesUnavailable, holding no slot, when the pool cannot frame anything."""
+    def frame_many(self, items: Sequence[EncodeItem]) -> FrameBatch:
+        """Frame every item into one frame slot: per item its frame and MAC, or None where the
+        caller must frame it itself (the slot's frames did not fit, the child failed on it, or
+        the pool stopped: then every item not framed yet). Hand the batch's puts to
+        :meth:`FrameBatch.release_after`. Raises ProcessesUnavailable, holding no slot, when the
+        pool cannot frame anything."""
         frames = self.frames
         assert frames is not None
         while True:
@@ -84,21 +87,21 @@ class DiskEncoders(ChildPool):
                 break
             except queue.Empty:
                 continue
-        out: list[Framed] = [None] * len(items)
+        batch = FrameBatch(self, slot, [None] * len(items))
 
         def answer(i: int, outcome: tuple) -> None:
             if outcome[0] == "ok":
                 _, offset, length, mac = outcome
-                out[i] = (frames.view(slot, offset, length), mac)
+                batch.framed[i] = (frames.view(slot, offset, length), mac)
 
         try:
             self.run((slot, list(items)), len(items), answer)
         except ProcessesUnavailable:
             pass  # what was framed stands; the caller frames the rest
-        return slot, out
+        return batch
 
     def release(self, slot: int) -> None:
-        """The frames in ``slot`` are no longer needed (their puts committed or were dropped)."""
+        """Frame slot ``slot`` is free again (``FrameBatch.release_after``)."""
         self._free.put(slot)
 
     def close(self) -> None:
@@ -106,3 +109,20 @@ class DiskEncoders(ChildPool):
         super().close()
         if self.frames is not None:
             self.frames.close()
+
+
+@dataclass(slots=True)
+class FrameBatch:
+    """What :meth:`DiskEncoders.frame_many` framed into frame slot ``slot``."""
+
+    pool: DiskEncoders
+    slot: int
+    framed: list[Framed]
+
+    def release_after(self, puts: list[Future[bool]]) -> None:
+        """Free the slot once these puts of its frames are done (committed or dropped: the
+        writer no longer reads them); at once without any."""
+        when_committed(0, puts, self._release)
+
+    def _release(self, _stored: int) -> None:
+        self.pool.release(self.slot)

@@ -38,7 +38,7 @@ from kvstrata.tiers.disk.encoders import DiskEncoders, EncodeItem, Framed
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.readers import DiskReaders
 from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
-from kvstrata.tiers.disk.writer import PutJob, Writer, now_us
+from kvstrata.tiers.disk.writer import PutJob, Writer, now_us, when_committed
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -426,7 +426,7 @@ class DiskStore:
         writer thread (in this thread when nothing had to be written). So an idle-priority
         caller, which a busy CPU may not run again for a second, does not hold up the report
         of a committed write (docs/BENCHMARKS.md, "A write is reported when it commits")."""
-        _when_committed(*self._submit_puts(entries), done)
+        when_committed(*self._submit_puts(entries), done)
 
     def put_many_from_slab_then(self, items: Sequence[EncodeItem], done: Callable[[int], None]) -> None:
         """``put_many_then`` of ``(key, slot, offset, length, dtype)`` shards of the host slab the
@@ -436,7 +436,7 @@ class DiskStore:
         if slab is None:
             raise ValueError("put_many_from_slab_then needs use_write_processes first")
         entries = [(key, slab.view(slot, offset, length), dtype) for key, slot, offset, length, dtype in items]
-        _when_committed(*self._submit_puts(entries, items), done)
+        when_committed(*self._submit_puts(entries, items), done)
 
     def use_write_processes(self, slab: HostSlab, processes: int, *, idle: bool = False) -> None:
         """Frame chunks for ``put_many_from_slab_then`` in ``processes`` processes of their own,
@@ -485,16 +485,16 @@ class DiskStore:
             if here:
                 self._touch([entries[i][0]])
         self._counts.bump("put_present", stored)
-        framed: list[Framed] = [None] * len(todo)
-        frame_slot = None
+        batch = None
         encoders = self._encoders
         if slab_items is not None and encoders is not None and encoders.available and todo:
             try:
-                frame_slot, framed = encoders.encode_many([slab_items[i] for i in todo])
+                batch = encoders.frame_many([slab_items[i] for i in todo])
             except ProcessesUnavailable:
                 pass  # framed here
+        framed: list[Framed] = [None] * len(todo) if batch is None else batch.framed
         futures: list[Future[bool]] = []
-        in_frame_slot: list[Future[bool]] = []  # the puts whose frames are in frame_slot
+        in_batch: list[Future[bool]] = []  # the puts whose frames are the batch's
         try:
             for i, got in zip(todo, framed, strict=True):
                 key, data, dtype = entries[i]
@@ -509,12 +509,11 @@ class DiskStore:
                     continue
                 futures.append(job.future)
                 if got is not None:
-                    in_frame_slot.append(job.future)
+                    in_batch.append(job.future)
         finally:
             self._counts.bump("process_framed", sum(got is not None for got in framed))
-            if frame_slot is not None:  # free again once the puts framed into it are done
-                assert encoders is not None
-                _when_committed(0, in_frame_slot, partial(_release_frames, encoders, frame_slot))
+            if batch is not None:
+                batch.release_after(in_batch)
         return stored, futures
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -640,27 +639,3 @@ class DiskStore:
         self._logged_damage.add(kind)
         log.warning("store at %s: %s%s", self.path, what, f": {exc}" if exc is not None else "")
 
-
-def _release_frames(encoders: DiskEncoders, frame_slot: int, _stored: int) -> None:
-    encoders.release(frame_slot)
-
-
-def _when_committed(present: int, futures: list[Future[bool]], done: Callable[[int], None]) -> None:
-    """``done(present + the puts among futures that were written)`` once every future is done:
-    on the thread that finishes the last (here when there is none)."""
-    if not futures:
-        done(present)
-        return
-    lock = threading.Lock()
-    left = len(futures)
-
-    def one_done(_fut: Future[bool]) -> None:
-        nonlocal left
-        with lock:
-            left -= 1
-            if left:
-                return
-        done(present + sum(1 for fut in futures if fut.result()))
-
-    for fut in futures:
-        fut.add_done_callback(one_done)

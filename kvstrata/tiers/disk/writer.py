@@ -73,6 +73,27 @@ class _PutOutcome:
     reason: str = ""
 
 
+def when_committed(present: int, futures: list[Future[bool]], done: Callable[[int], None]) -> None:
+    """``done(present + the puts among futures that were written)`` once every put's future is
+    done (committed or dropped): on the thread that finishes the last, here when there is none."""
+    if not futures:
+        done(present)
+        return
+    lock = threading.Lock()
+    left = len(futures)
+
+    def one_done(_fut: Future[bool]) -> None:
+        nonlocal left
+        with lock:
+            left -= 1
+            if left:
+                return
+        done(present + sum(1 for fut in futures if fut.result()))
+
+    for fut in futures:
+        fut.add_done_callback(one_done)
+
+
 def now_us() -> int:
     return time.time_ns() // 1000
 
