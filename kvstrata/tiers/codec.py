@@ -227,12 +227,6 @@ def key_seed(key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(key) if key else 0
 
 
-def max_frame_bytes(nbytes: int, dtype: str) -> int:
-    """The most bytes ``encode`` frames ``nbytes`` of ``dtype`` into: a raw frame, or a plane
-    table and planes none larger than it was."""
-    return HEADER_SIZE + _dtype(dtype)[1] * _PLANE.size + nbytes
-
-
 def _raw_frame(view: memoryview, code: int, checksum: int) -> bytes:
     n = len(view)
     header = _HEADER.pack(MAGIC, VERSION, CODEC_RAW, code, 1, n, checksum)

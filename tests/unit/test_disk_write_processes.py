@@ -194,3 +194,23 @@ def test_a_hierarchy_writes_behind_through_its_write_processes(env) -> None:
     slots = h.prepare_load(keys)
     assert all(holds(h.slab, slot, x) for x, slot in zip(keys, slots, strict=True))
     h.complete_load(keys)
+
+
+class _NoSharedMemory(DiskStore):
+    """A real store on a host whose shared memory cannot hold a frame slab."""
+
+    def use_write_processes(self, slab: HostSlab, processes: int, *, idle: bool = False) -> None:
+        raise MemoryError("cannot reserve the frame slab (no shared memory left)")
+
+
+def test_a_hierarchy_whose_write_processes_cannot_start_frames_in_its_threads(env, tmp_path: Path) -> None:
+    disk = _NoSharedMemory(tmp_path / "db-no-shm", budget_bytes=1 << 30)
+    try:
+        keys = [key(i) for i in range(4)]
+        h = env.hier(disk, slots=16, write_processes=2)
+        assert [link.slab_writes for link in h._s.links] == [False]  # noqa: SLF001
+        store(h, keys)
+        assert h.close()
+        assert all(on_disk(disk, x) for x in keys) and disk.stats()["process_framed"] == 0
+    finally:
+        disk.close()

@@ -638,4 +638,3 @@ class DiskStore:
             return
         self._logged_damage.add(kind)
         log.warning("store at %s: %s%s", self.path, what, f": {exc}" if exc is not None else "")
-

@@ -445,7 +445,8 @@ def _use_processes(tier: LowerTier, what: Literal["read", "write"], slab: HostSl
         return False
     try:
         use(slab, processes, **kw)
-    except (RuntimeError, OSError) as exc:  # disk.children.ProcessesUnavailable is a RuntimeError
+    except (RuntimeError, OSError, MemoryError) as exc:  # ProcessesUnavailable is a RuntimeError;
+        # MemoryError: no shared memory for the write processes' frame slab
         logger.warning("kvstrata: the disk %s processes did not start (%s); working in the "
                        "engine's threads", what, exc)
         return False
