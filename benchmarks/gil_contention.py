@@ -162,10 +162,43 @@ def child(store_path: str, slab_path: str, chunk_bytes: int, chunks: int, conn: 
 NS = b"gil-contention-ns"  # the hierarchy's one namespace (one shard per chunk)
 
 
+def processes_compared(args: argparse.Namespace, by_processes: dict[int, Hierarchy],
+                       op_for: Callable[[Hierarchy], Callable[[int], None]], nbytes: int, what: str,
+                       failures: str) -> dict[str, Any]:
+    """Per switch interval, for each hierarchy (by its ``what`` processes, 0 first): GB/s of its
+    ``op_for(h)`` (``nbytes`` each) alone and beside the busy thread, and the busy thread's rate
+    beside it against alone; raises if the hierarchy counted ``failures``."""
+    out: dict[str, Any] = {}
+    previous = sys.getswitchinterval()
+    try:
+        for interval in args.intervals:
+            sys.setswitchinterval(interval)
+            busy_alone = busy_rate(args.seconds)
+            row: dict[str, Any] = {}
+            for processes, h in by_processes.items():
+                op = op_for(h)
+                alone, _ = timed(op, args.seconds, nbytes, busy=False)
+                beside, rate = timed(op, args.seconds, nbytes, busy=True)
+                assert rate is not None
+                failed = h.stats()[failures]
+                if failed:
+                    raise RuntimeError(f"{failed} {failures}")
+                row[f"{what}_processes_{processes}"] = {"alone_gbps": round(alone, 3),
+                                                         "beside_busy_gbps": round(beside, 3),
+                                                         "busy_rate_vs_alone": round(rate / busy_alone, 3)}
+            row["processes_vs_threads_beside_busy"] = round(
+                row[f"{what}_processes_{max(by_processes)}"]["beside_busy_gbps"]
+                / row[f"{what}_processes_0"]["beside_busy_gbps"], 3)
+            out[f"{interval:g}"] = row
+    finally:
+        sys.setswitchinterval(previous)
+    return out
+
+
 def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
     """Per switch interval and ``read_processes`` (0, then ``--processes``): GB/s of a real
     hierarchy promoting every chunk of its disk into its host tier (one lookup's worth, waited
-    for, then the host tier reset), alone and beside the busy thread."""
+    for, then the host tier reset), alone and beside the busy thread (``processes_compared``)."""
     rng = np.random.default_rng(1)
     keys = [i.to_bytes(32, "big") + bytes(4) for i in range(args.chunks)]  # group 0
     disk = DiskStore(root / "hierarchy-store", budget_bytes=4 * args.chunks * args.chunk_bytes + (64 << 20))
@@ -186,31 +219,15 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
         # Threads first: once the store has read processes it keeps them (a hierarchy asking
         # for none reads in its threads all the same).
         by_processes = {0: hierarchy(0), args.processes: hierarchy(args.processes)}
-        out: dict[str, Any] = {}
-        previous = sys.getswitchinterval()
-        try:
-            for interval in args.intervals:
-                sys.setswitchinterval(interval)
-                row: dict[str, Any] = {}
-                for processes, h in by_processes.items():
-                    def promote_all(i: int, h: Hierarchy = h) -> None:
-                        h.promote(keys)
-                        if not h.wait_promotions(keys, ANSWER_TIMEOUT_S) or not h.reset():
-                            raise RuntimeError("the promotions did not land")
-                    alone, _ = timed(promote_all, args.seconds, nbytes, busy=False)
-                    beside, rate = timed(promote_all, args.seconds, nbytes, busy=True)
-                    failed = h.stats()["promotions_failed"]
-                    if failed:
-                        raise RuntimeError(f"{failed} promotion(s) failed")
-                    row[f"read_processes_{processes}"] = {"alone_gbps": round(alone, 3),
-                                                          "beside_busy_gbps": round(beside, 3)}
-                row["processes_vs_threads_beside_busy"] = round(
-                    row[f"read_processes_{args.processes}"]["beside_busy_gbps"]
-                    / row["read_processes_0"]["beside_busy_gbps"], 3)
-                out[f"{interval:g}"] = row
-        finally:
-            sys.setswitchinterval(previous)
-        return out
+
+        def promote_all(h: Hierarchy) -> Callable[[int], None]:
+            def op(i: int) -> None:
+                h.promote(keys)
+                if not h.wait_promotions(keys, ANSWER_TIMEOUT_S) or not h.reset():
+                    raise RuntimeError("the promotions did not land")
+            return op
+
+        return processes_compared(args, by_processes, promote_all, nbytes, "read", "promotions_failed")
     finally:
         for h in made:
             h.close()
@@ -220,10 +237,10 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
 
 
 def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
-    """Per switch interval and ``write_processes`` (0, then ``--processes``): GB/s
-    of a real hierarchy writing fresh host chunks behind to its disk (``--chunks`` stored, each
-    written, compressed and committed, waited for), alone and beside the busy thread, and the
-busy thread's rate beside them against alone (the engine core's loop beside the writes). The
+    """Per switch interval and ``write_processes`` (0, then ``--processes``): GB/s of a real
+    hierarchy writing fresh host chunks behind to its disk (``--chunks`` stored, each written,
+    compressed and committed, waited for), alone and beside the busy thread, and the busy
+    thread's rate beside them against alone (the engine core's loop beside the writes). The
     write threads run at normal priority (a GPU engine's ``background_priority: auto``)."""
     rng = np.random.default_rng(2)
     n = args.processes
@@ -246,44 +263,26 @@ busy thread's rate beside them against alone (the engine core's loop beside the 
             return h
 
         by_processes = {0: hierarchy(0), n: hierarchy(n)}
-        out: dict[str, Any] = {}
-        previous = sys.getswitchinterval()
-        try:
-            for interval in args.intervals:
-                sys.setswitchinterval(interval)
-                row: dict[str, Any] = {}
-                busy_alone = busy_rate(args.seconds)
-                for processes, h in by_processes.items():
-                    def write_all(i: int, h: Hierarchy = h) -> None:
-                        first = written[0]
-                        written[0] += args.chunks
-                        keys = [k.to_bytes(32, "big") + bytes(4) for k in range(first, written[0])]
-                        target = h.stats()["writes_completed"] + len(keys)
-                        if h.prepare_store(keys) is None:
-                            raise RuntimeError("no host slots for the chunks")
-                        h.complete_store(keys)
-                        deadline = time.monotonic() + ANSWER_TIMEOUT_S
-                        while h.stats()["writes_completed"] < target:
-                            if time.monotonic() > deadline:
-                                raise RuntimeError(f"the writes did not complete: {h.stats()}")
-                            time.sleep(0.001)
-                        if not h.reset():
-                            raise RuntimeError("the host tier did not reset")
-                    alone, _ = timed(write_all, args.seconds, nbytes, busy=False)
-                    beside, rate = timed(write_all, args.seconds, nbytes, busy=True)
-                    assert rate is not None
-                    failed = h.stats()["writes_failed"]
-                    if failed:
-                        raise RuntimeError(f"{failed} write(s) failed")
-                    row[f"write_processes_{processes}"] = {"alone_gbps": round(alone, 3),
-                                                           "beside_busy_gbps": round(beside, 3),
-                                                           "busy_rate_vs_alone": round(rate / busy_alone, 3)}
-                row["processes_vs_threads_beside_busy"] = round(
-                    row[f"write_processes_{n}"]["beside_busy_gbps"]
-                    / row["write_processes_0"]["beside_busy_gbps"], 3)
-                out[f"{interval:g}"] = row
-        finally:
-            sys.setswitchinterval(previous)
+
+        def write_all(h: Hierarchy) -> Callable[[int], None]:
+            def op(i: int) -> None:
+                first = written[0]
+                written[0] += args.chunks
+                keys = [k.to_bytes(32, "big") + bytes(4) for k in range(first, written[0])]
+                target = h.stats()["writes_completed"] + len(keys)
+                if h.prepare_store(keys) is None:
+                    raise RuntimeError("no host slots for the chunks")
+                h.complete_store(keys)
+                deadline = time.monotonic() + ANSWER_TIMEOUT_S
+                while h.stats()["writes_completed"] < target:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the writes did not complete: {h.stats()}")
+                    time.sleep(0.001)
+                if not h.reset():
+                    raise RuntimeError("the host tier did not reset")
+            return op
+
+        out = processes_compared(args, by_processes, write_all, nbytes, "write", "writes_failed")
         out["framed_by_processes"] = disk.stats()["process_framed"]
         return out
     finally:

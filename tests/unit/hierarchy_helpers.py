@@ -1,6 +1,7 @@
 """Helpers of the Hierarchy tests over a real LMDB DiskStore (tests/unit/test_hierarchy_*.py): a
 two-shard geometry, chunk keys and their byte patterns, ``store`` (chunks stored through the host
-tier), ``eventually``, ``GatedDisk`` and corrupted records.
+tier), ``eventually``, ``GatedDisk``, corrupted records, and the disk tier's child processes
+(``disk_children``).
 
 Disk lag is produced deterministically with ``GatedDisk`` (a DiskStore whose reads or writes wait
 on an event), never with sleeps; waits poll with a generous deadline and assert nothing about time.
@@ -8,9 +9,11 @@ on an event), never with sleeps; waits poll with a generous deadline and assert 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -126,3 +129,20 @@ def corrupt_payload(db_path, k: bytes) -> None:
             frame = bytearray(txn.get(k, db=payload))
             frame[len(frame) // 2] ^= 0xFF
             txn.put(k, bytes(frame), db=payload)
+
+
+def disk_children(module: str) -> list[int]:
+    """This process's children running ``python -m kvstrata.tiers.disk.<module>`` (its other
+    children, e.g. engines or servers other tests started, do not count)."""
+    me, wanted = os.getpid(), f"kvstrata.tiers.disk.{module}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == me and wanted in cmdline.split(b"\0"):
+                out.append(int(entry))
+    return out

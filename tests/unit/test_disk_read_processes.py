@@ -15,6 +15,7 @@ from hierarchy_helpers import (
     DEADLINE_S,
     NS,
     corrupt_payload,
+    disk_children,
     eventually,
     holds,
     key,
@@ -58,28 +59,12 @@ def slab(tmp_path: Path):
     s.close()
 
 
-def children_of(pid: int) -> list[int]:
-    """This process's disk read processes (its other children, e.g. engines or servers other
-    tests started, do not count)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid and b"kvstrata.tiers.disk.read_process" in cmdline:
-                out.append(int(entry))
-    return out
-
-
 def test_processes_read_the_stored_bytes_into_the_slab_and_count_as_reads(tmp_path: Path, slab) -> None:
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         put(s, 4)
         s.use_read_processes(slab, 2)
         readers = s.read_processes
-        assert readers is not None and readers.available and len(children_of(os.getpid())) == 2
+        assert readers is not None and readers.available and len(disk_children("read_process")) == 2
         # Every chunk into another slot, one at an offset inside its slot, and one never stored.
         items = [(k(i), 3 - i, 0, SLOT) for i in range(4)] + [(k(9), 4, 0, SLOT)]
         items[1] = (k(1), 2, 4096, SLOT - 4096)  # too small a place: counted, not a crash
@@ -117,7 +102,7 @@ def test_a_process_that_dies_leaves_its_reads_to_the_calling_thread(tmp_path: Pa
         s.use_read_processes(slab, 1)
         readers = s.read_processes
         assert readers is not None
-        (child,) = children_of(os.getpid())
+        (child,) = disk_children("read_process")
         os.kill(child, signal.SIGKILL)
         got = read_all(s, [(k(i), i, 0, SLOT) for i in range(3)])
         assert got == [(0, SLOT), (1, SLOT), (2, SLOT)] and not readers.available
@@ -131,9 +116,9 @@ def test_closing_the_store_stops_its_processes(tmp_path: Path, slab) -> None:
     s = DiskStore(tmp_path / "db", budget_bytes=1 << 30)
     put(s, 1)
     s.use_read_processes(slab, 2)
-    assert len(children_of(os.getpid())) == 2
+    assert len(disk_children("read_process")) == 2
     s.close()
-    assert children_of(os.getpid()) == []
+    assert disk_children("read_process") == []
 
 
 def test_processes_that_cannot_open_the_slab_are_refused_with_the_reason(tmp_path: Path, slab) -> None:
@@ -141,7 +126,7 @@ def test_processes_that_cannot_open_the_slab_are_refused_with_the_reason(tmp_pat
         put(s, 1)
         with pytest.raises(ProcessesUnavailable, match="could not start.*slab"):
             DiskReaders(tmp_path / "db", tmp_path / "no-slab", SLOT, 8, processes=1)
-    assert children_of(os.getpid()) == []
+    assert disk_children("read_process") == []
 
 
 def test_a_hierarchy_promotes_through_its_read_processes(env) -> None:
@@ -191,7 +176,7 @@ def test_callers_waiting_for_a_process_are_let_go_when_the_pool_stops(tmp_path: 
         t.join(DEADLINE_S)
         assert not t.is_alive(), t.name
     assert sorted(raised) == ["first", "second"]
-    assert children_of(os.getpid()) == []
+    assert disk_children("read_process") == []
 
 
 def test_an_answer_that_raises_is_raised_once_the_process_read_every_item(tmp_path: Path, slab) -> None:

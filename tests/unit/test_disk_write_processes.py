@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hierarchy_helpers import DEADLINE_S, NS, holds, key, on_disk, store
+from hierarchy_helpers import DEADLINE_S, NS, disk_children, holds, key, on_disk, store
 
 from kvstrata.auth import ValueAuth
 from kvstrata.tiers import codec
@@ -50,21 +50,6 @@ def slab(tmp_path: Path):
     s.close()
 
 
-def encode_children(pid: int) -> list[int]:
-    """This process's disk encode processes (not the other children tests started)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid and b"kvstrata.tiers.disk.encode_process" in cmdline:
-                out.append(int(entry))
-    return out
-
-
 def put_from_slab(s: DiskStore, items: list[tuple[bytes, int, int, int, str]]) -> int:
     done = threading.Event()
     got: list[int] = []
@@ -86,7 +71,7 @@ def read(s: DiskStore, key_: bytes, n: int) -> bytes | None:
 def test_processes_frame_what_the_store_reads_back_as_the_slabs_bytes(tmp_path: Path, slab) -> None:
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         s.use_write_processes(slab, 2)
-        assert s.write_processes is not None and len(encode_children(os.getpid())) == 2
+        assert s.write_processes is not None and len(disk_children("encode_process")) == 2
         # Whole slots, a shard at an offset inside a slot, bf16 and uint8 alike.
         items = [(k(0), 0, 0, SLOT, "bfloat16"), (k(1), 1, 4096, SLOT - 4096, "uint8")]
         assert put_from_slab(s, items) == 2
@@ -148,7 +133,7 @@ def test_a_process_that_dies_leaves_its_framing_to_the_calling_thread(tmp_path: 
         s.use_write_processes(slab, 1)
         encoders = s.write_processes
         assert encoders is not None
-        (child,) = encode_children(os.getpid())
+        (child,) = disk_children("encode_process")
         os.kill(child, signal.SIGKILL)
         assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16") for i in range(3)]) == 3
         assert not encoders.available and s.stats()["process_framed"] == 0
@@ -161,13 +146,13 @@ def test_a_process_that_dies_leaves_its_framing_to_the_calling_thread(tmp_path: 
 def test_closing_the_store_stops_its_processes_and_leaves_no_frame_slab(tmp_path: Path, slab) -> None:
     s = DiskStore(tmp_path / "db", budget_bytes=1 << 30)
     s.use_write_processes(slab, 2)
-    assert len(encode_children(os.getpid())) == 2
+    assert len(disk_children("encode_process")) == 2
     encoders = s.write_processes
     assert encoders is not None and encoders.frames is not None
     assert not os.path.exists(encoders.frames.path)  # unlinked once every process mapped it
     put_from_slab(s, [(k(0), 0, 0, SLOT, "bfloat16")])
     s.close()
-    assert encode_children(os.getpid()) == []
+    assert disk_children("encode_process") == []
 
 
 def test_processes_that_cannot_open_the_slab_are_refused_with_the_reason(tmp_path: Path) -> None:
@@ -175,7 +160,7 @@ def test_processes_that_cannot_open_the_slab_are_refused_with_the_reason(tmp_pat
     with pytest.raises(ProcessesUnavailable, match="could not start.*slab"):
         DiskEncoders(tmp_path / "no-slab", SLOT, 8, processes=1, frame_slot_bytes=SLOT,
                      frames_dir=tmp_path / "frames")
-    assert encode_children(os.getpid()) == []
+    assert disk_children("encode_process") == []
     assert list((tmp_path / "frames").iterdir()) == []  # the frame slab is gone too
 
 
