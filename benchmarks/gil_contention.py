@@ -168,28 +168,36 @@ def processes_compared(args: argparse.Namespace, by_processes: dict[int, Hierarc
     """Per switch interval, for each hierarchy (by its ``what`` processes, 0 first): GB/s of its
     ``op_for(h)`` (``nbytes`` each) alone and beside the busy thread, and the busy thread's rate
     beside it against alone; raises if the hierarchy counted ``failures``."""
+    def row_for(busy_alone: float) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        for processes, h in by_processes.items():
+            op = op_for(h)
+            alone, _ = timed(op, args.seconds, nbytes, busy=False)
+            beside, rate = timed(op, args.seconds, nbytes, busy=True)
+            assert rate is not None
+            failed = h.stats()[failures]
+            if failed:
+                raise RuntimeError(f"{failed} {failures}")
+            row[f"{what}_processes_{processes}"] = {"alone_gbps": round(alone, 3),
+                                                     "beside_busy_gbps": round(beside, 3),
+                                                     "busy_rate_vs_alone": round(rate / busy_alone, 3)}
+        row["processes_vs_threads_beside_busy"] = round(
+            row[f"{what}_processes_{max(by_processes)}"]["beside_busy_gbps"]
+            / row[f"{what}_processes_0"]["beside_busy_gbps"], 3)
+        return row
+
+    return per_interval(args, row_for)
+
+
+def per_interval(args: argparse.Namespace, row_for: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
+    """``row_for(the busy loop's iterations a second alone)`` at each ``--switch-intervals``
+    value, keyed by it; the process's switch interval restored after."""
     out: dict[str, Any] = {}
     previous = sys.getswitchinterval()
     try:
         for interval in args.intervals:
             sys.setswitchinterval(interval)
-            busy_alone = busy_rate(args.seconds)
-            row: dict[str, Any] = {}
-            for processes, h in by_processes.items():
-                op = op_for(h)
-                alone, _ = timed(op, args.seconds, nbytes, busy=False)
-                beside, rate = timed(op, args.seconds, nbytes, busy=True)
-                assert rate is not None
-                failed = h.stats()[failures]
-                if failed:
-                    raise RuntimeError(f"{failed} {failures}")
-                row[f"{what}_processes_{processes}"] = {"alone_gbps": round(alone, 3),
-                                                         "beside_busy_gbps": round(beside, 3),
-                                                         "busy_rate_vs_alone": round(rate / busy_alone, 3)}
-            row["processes_vs_threads_beside_busy"] = round(
-                row[f"{what}_processes_{max(by_processes)}"]["beside_busy_gbps"]
-                / row[f"{what}_processes_0"]["beside_busy_gbps"], 3)
-            out[f"{interval:g}"] = row
+            out[f"{interval:g}"] = row_for(busy_rate(args.seconds))
     finally:
         sys.setswitchinterval(previous)
     return out
@@ -323,32 +331,27 @@ def measure(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, A
             codec.encode(slab.view(i % args.chunks, 0, args.chunk_bytes), DTYPE, key=key(i % args.chunks))
 
         remote("read")(0)  # the child is up
-        out: dict[str, Any] = {}
-        previous = sys.getswitchinterval()
-        try:
-            for interval in args.intervals:
-                sys.setswitchinterval(interval)
-                alone = busy_rate(args.seconds)
-                row: dict[str, Any] = {"busy_iterations_per_s": round(alone)}
-                for name, local in (("read", read), ("encode", encode)):
-                    thread_alone, _ = timed(local, args.seconds, args.chunk_bytes, busy=False)
-                    thread_beside, rate_thread = timed(local, args.seconds, args.chunk_bytes, busy=True)
-                    process_beside, rate_process = timed(remote(name), args.seconds,
-                                                         args.batch * args.chunk_bytes, busy=True)
-                    assert rate_thread is not None and rate_process is not None
-                    row[name] = {
-                        "thread_alone_gbps": round(thread_alone, 3),
-                        "thread_beside_busy_gbps": round(thread_beside, 3),
-                        "process_beside_busy_gbps": round(process_beside, 3),
-                        "thread_beside_vs_alone": round(thread_beside / thread_alone, 3),
-                        "process_beside_vs_thread_beside": round(process_beside / thread_beside, 3),
-                        "busy_rate_vs_alone": {"thread": round(rate_thread / alone, 3),
-                                               "process": round(rate_process / alone, 3)},
-                    }
-                out[f"{interval:g}"] = row
-        finally:
-            sys.setswitchinterval(previous)
-        return out
+
+        def row_for(alone: float) -> dict[str, Any]:
+            row: dict[str, Any] = {"busy_iterations_per_s": round(alone)}
+            for name, local in (("read", read), ("encode", encode)):
+                thread_alone, _ = timed(local, args.seconds, args.chunk_bytes, busy=False)
+                thread_beside, rate_thread = timed(local, args.seconds, args.chunk_bytes, busy=True)
+                process_beside, rate_process = timed(remote(name), args.seconds,
+                                                     args.batch * args.chunk_bytes, busy=True)
+                assert rate_thread is not None and rate_process is not None
+                row[name] = {
+                    "thread_alone_gbps": round(thread_alone, 3),
+                    "thread_beside_busy_gbps": round(thread_beside, 3),
+                    "process_beside_busy_gbps": round(process_beside, 3),
+                    "thread_beside_vs_alone": round(thread_beside / thread_alone, 3),
+                    "process_beside_vs_thread_beside": round(process_beside / thread_beside, 3),
+                    "busy_rate_vs_alone": {"thread": round(rate_thread / alone, 3),
+                                           "process": round(rate_process / alone, 3)},
+                }
+            return row
+
+        return per_interval(args, row_for)
     finally:
         if proc.is_alive():
             parent.send(None)
