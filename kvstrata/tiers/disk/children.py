@@ -68,9 +68,6 @@ class ChildPool:
             self.close()
             raise
 
-    def pids(self) -> list[int]:
-        return [proc.pid for proc, _ in self._children]
-
     def run(self, job: Any, answers: int, answer: Callable[[int, Any], None]) -> None:
         """Send ``job`` to an idle child and call ``answer(i, outcome)`` for each of the
         ``answers`` outcomes it sends back, in order. Raises ProcessesUnavailable when the pool
