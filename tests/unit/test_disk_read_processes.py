@@ -201,3 +201,20 @@ def test_an_answer_that_raises_is_raised_once_the_process_read_every_item(tmp_pa
         assert got == [(0, ("ok", SLOT))] and np.array_equal(slab.slot(5), value(3))
     finally:
         readers.close()
+
+
+def test_a_later_hierarchy_over_the_same_store_gets_processes_for_its_own_slab(env) -> None:
+    """Read processes started for one host slab read into that one: a hierarchy with another
+    slab over the same store has them started again for its slab."""
+    disk = env.disk()
+    keys = [key(i) for i in range(4)]
+    h = env.hier(disk, slots=16, read_processes=1)
+    store(h, keys)
+    assert h.close()
+    h = env.hier(disk, slots=16, read_processes=1)  # another slab
+    h.promote(keys)
+    assert h.wait_promotions(keys, DEADLINE_S)
+    slots = h.prepare_load(keys)
+    assert all(holds(h.slab, slot, x) for x, slot in zip(keys, slots, strict=True))
+    h.complete_load(keys)
+    assert len(disk_children("read_process")) == 1
