@@ -203,30 +203,53 @@ def per_interval(args: argparse.Namespace, row_for: Callable[[float], dict[str, 
     return out
 
 
+class Rig:
+    """A real disk store and the hierarchies (each with a host slab of its own) built over it;
+    closed in that order's reverse: hierarchies, the store (its processes map the slabs), slabs."""
+
+    def __init__(self, args: argparse.Namespace, store_path: Path, slab_dir: Path, budget_chunks: int) -> None:
+        self.args, self.slab_dir = args, slab_dir
+        self.disk = DiskStore(store_path, budget_bytes=budget_chunks * args.chunks * args.chunk_bytes + (64 << 20))
+        self.slabs: list[HostSlab] = []
+        self.made: list[Hierarchy] = []
+
+    def hierarchy(self, name: str, fill: np.random.Generator | None = None, **kw: Any) -> Hierarchy:
+        """A hierarchy over the store with ``kw``; ``fill``: every slot holds KV-like bytes."""
+        args = self.args
+        slab = HostSlab(self.slab_dir / f"{name}-slab", args.chunk_bytes, args.chunks)
+        self.slabs.append(slab)
+        if fill is not None:
+            for i in range(args.chunks):
+                slab.slot(i)[:] = kv_like(fill, args.chunk_bytes)
+        h = Hierarchy(HostPool(slab), self.disk, namespaces=[NS], group_shard_bytes=[args.chunk_bytes],
+                      group_dtypes=[DTYPE], **kw)
+        self.made.append(h)
+        return h
+
+    def __enter__(self) -> Rig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.made:
+            h.close()
+        self.disk.close()
+        for slab in self.slabs:
+            slab.close()
+
+
 def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
     """Per switch interval and ``read_processes`` (0, then ``--processes``): GB/s of a real
     hierarchy promoting every chunk of its disk into its host tier (one lookup's worth, waited
     for, then the host tier reset), alone and beside the busy thread (``processes_compared``)."""
     rng = np.random.default_rng(1)
     keys = [i.to_bytes(32, "big") + bytes(4) for i in range(args.chunks)]  # group 0
-    disk = DiskStore(root / "hierarchy-store", budget_bytes=4 * args.chunks * args.chunk_bytes + (64 << 20))
-    slabs: list[HostSlab] = []
-    made: list[Hierarchy] = []
-    try:
-        disk.put_many([(NS + k, kv_like(rng, args.chunk_bytes), DTYPE) for k in keys])
-        nbytes = args.chunks * args.chunk_bytes
-
-        def hierarchy(processes: int) -> Hierarchy:
-            slabs.append(HostSlab(slab_dir / f"hierarchy-slab-{processes}", args.chunk_bytes, args.chunks))
-            h = Hierarchy(HostPool(slabs[-1]), disk, namespaces=[NS], group_shard_bytes=[args.chunk_bytes],
-                          group_dtypes=[DTYPE], read_threads=args.processes,
-                          max_concurrent_reads=args.processes, read_processes=processes)
-            made.append(h)
-            return h
-
+    n = args.processes
+    with Rig(args, root / "hierarchy-store", slab_dir, budget_chunks=4) as rig:
+        rig.disk.put_many([(NS + k, kv_like(rng, args.chunk_bytes), DTYPE) for k in keys])
         # Threads first: once the store has read processes it keeps them (a hierarchy asking
         # for none reads in its threads all the same).
-        by_processes = {0: hierarchy(0), args.processes: hierarchy(args.processes)}
+        by_processes = {p: rig.hierarchy(f"read-{p}", read_threads=n, max_concurrent_reads=n, read_processes=p)
+                        for p in (0, n)}
 
         def promote_all(h: Hierarchy) -> Callable[[int], None]:
             def op(i: int) -> None:
@@ -235,13 +258,8 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
                     raise RuntimeError("the promotions did not land")
             return op
 
-        return processes_compared(args, by_processes, promote_all, nbytes, "read", "promotions_failed")
-    finally:
-        for h in made:
-            h.close()
-        disk.close()  # its read processes first: they map a slab
-        for slab in slabs:
-            slab.close()
+        return processes_compared(args, by_processes, promote_all, args.chunks * args.chunk_bytes, "read",
+                                  "promotions_failed")
 
 
 def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
@@ -252,25 +270,12 @@ def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, An
     write threads run at normal priority (a GPU engine's ``background_priority: auto``)."""
     rng = np.random.default_rng(2)
     n = args.processes
-    disk = DiskStore(root / "write-store", budget_bytes=8 * args.chunks * args.chunk_bytes + (64 << 20))
-    slabs: list[HostSlab] = []
-    made: list[Hierarchy] = []
+    nbytes = args.chunks * args.chunk_bytes
     written = [0]
-    try:
-        nbytes = args.chunks * args.chunk_bytes
-
-        def hierarchy(processes: int) -> Hierarchy:
-            slab = HostSlab(slab_dir / f"write-slab-{processes}", args.chunk_bytes, args.chunks)
-            slabs.append(slab)
-            for i in range(args.chunks):  # what every chunk stored in a slot writes
-                slab.slot(i)[:] = kv_like(rng, args.chunk_bytes)
-            h = Hierarchy(HostPool(slab), disk, namespaces=[NS], group_shard_bytes=[args.chunk_bytes],
-                          group_dtypes=[DTYPE], write_threads=n, idle_writes=False,
-                          max_write_inflight_bytes=nbytes, write_processes=processes)
-            made.append(h)
-            return h
-
-        by_processes = {0: hierarchy(0), n: hierarchy(n)}
+    with Rig(args, root / "write-store", slab_dir, budget_chunks=8) as rig:
+        by_processes = {p: rig.hierarchy(f"write-{p}", fill=rng, write_threads=n, idle_writes=False,
+                                         max_write_inflight_bytes=nbytes, write_processes=p)
+                        for p in (0, n)}
 
         def write_all(h: Hierarchy) -> Callable[[int], None]:
             def op(i: int) -> None:
@@ -291,14 +296,8 @@ def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, An
             return op
 
         out = processes_compared(args, by_processes, write_all, nbytes, "write", "writes_failed")
-        out["framed_by_processes"] = disk.stats()["process_framed"]
+        out["framed_by_processes"] = rig.disk.stats()["process_framed"]
         return out
-    finally:
-        for h in made:
-            h.close()
-        disk.close()  # its write processes first: they map a slab
-        for slab in slabs:
-            slab.close()
 
 
 def measure(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
