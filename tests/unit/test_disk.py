@@ -473,15 +473,32 @@ def test_totals_stay_exact_when_another_process_writes_between_this_ones_puts(tm
 
 def test_a_key_twice_in_one_batch_is_stored_once(tmp_path: Path) -> None:
     """Small puts share a transaction; the second of one key finds the first (not the index as
-    it was before the transaction)."""
-    with open_store(path := tmp_path / "s") as store:
+    it was before the transaction). The writer is held in a transaction of its own until both
+    puts are queued, so that they share the next one."""
+    import threading
+
+    with open_store(tmp_path / "s") as store:
         assert store.put_many([(key(1), payload(1), "float16")]) == 1  # the index mirror is built
+        holding, release = threading.Event(), threading.Event()
+
+        def hold(txn, h) -> None:
+            holding.set()
+            assert release.wait(30)
+
+        holder = threading.Thread(target=store.write, args=(hold,))
+        holder.start()
+        assert holding.wait(30)
         small = payload(2)[:4096]
-        assert store.put_many([(key(2), small, "float16"), (key(2), small, "float16")]) == 2
+        done: list[int] = []
+        finished = threading.Event()
+        store.put_many_then([(key(2), small, "float16"), (key(2), small, "float16")],
+                            lambda n: (done.append(n), finished.set()))
+        release.set()  # both puts are queued: the writer takes them in one transaction
+        holder.join(30)
+        assert finished.wait(30) and done == [2]
         stats = store.stats()
         assert stats["entries"] == 2, stats
         assert stats["stored_bytes"] == sum(r.stored_len for _, r in store.iter_index())
-    assert path.exists()
 
 
 def test_map_grown_by_another_process(tmp_path: Path) -> None:
