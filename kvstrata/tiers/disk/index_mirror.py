@@ -66,21 +66,6 @@ class IndexMirror:
         self._state = (txn.id(), keys)
         self._built_at = self._clock()
 
-    def after_commit(self, txnid: int, last_txnid: int, added: Iterable[bytes], removed: Iterable[bytes],
-                     *, tracked: bool) -> None:
-        """The writer's write transaction ``txnid`` ended, and the store's last committed
-        transaction is now ``last_txnid``. ``tracked``: ``added``/``removed`` are all it changed
-        in the index (else it is followed by a rebuild)."""
-        # LMDB commits nothing for a transaction that changed nothing (the writer makes every
-        # tracked one change something, so that another process's commit cannot take its id):
-        # the last committed transaction is then still the one before ``txnid``.
-        if last_txnid < txnid:
-            return
-        if tracked:
-            self.committed(txnid, added, removed)
-        else:
-            self.invalidate()
-
     def committed(self, txnid: int, added: Iterable[bytes], removed: Iterable[bytes]) -> None:
         """The writer committed transaction ``txnid``, which added and deleted these keys (and
         nothing else in the index). Followed only if it is the next transaction after the one

@@ -357,12 +357,15 @@ class Writer:
         if tracked:
             self.index_mirror.committed(txnid, added, removed)
             return
+        # An untracked one changed the index in ways not reported: stale, if it committed at all
+        # (LMDB commits nothing for a transaction that changed nothing; the last committed one
+        # is then still the one before ``txnid``).
         try:
-            last = self.env.last_txnid()
+            committed = self.env.last_txnid() >= txnid
         except (lmdb.Error, StoreUnavailableError):
+            committed = True
+        if committed:
             self.index_mirror.invalidate()
-            return
-        self.index_mirror.after_commit(txnid, last, added, removed, tracked=tracked)
 
     def _rebuild_mirror(self) -> None:
         try:
