@@ -138,45 +138,31 @@ def test_write_threads_auto_is_one_on_cpu_and_one_per_usable_core_at_most_four_o
             StrataConfig.from_extra_config({"write_threads": bad})
 
 
-def test_read_processes_auto_is_none_on_cpu_and_one_per_read_thread_off_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("option", "threads_option"), [("read_processes", "io_threads"),
+                                                       ("write_processes", "write_threads")])
+def test_disk_processes_auto_are_none_on_cpu_and_one_per_thread_off_it(
+        option: str, threads_option: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_processes`` / ``write_processes`` "auto": none on a CPU engine, one per read /
+    write thread on an accelerator's."""
     import kvstrata.config as config
 
-    cfg = StrataConfig.from_extra_config({})
-    assert cfg.read_processes == "auto"
-    for cores, processes in ((1, 1), (2, 2), (64, 4)):
-        monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
-        assert cfg.resolve_read_processes("cuda") == cfg.resolve_read_processes("xpu") == processes
-        assert cfg.resolve_read_processes("cpu") == 0
-    threads = StrataConfig.from_extra_config({"io_threads": 3})
-    assert threads.resolve_read_processes("cuda") == 3  # one per read thread
-    explicit = StrataConfig.from_extra_config({"read_processes": "2"})
-    assert explicit.resolve_read_processes("cpu") == explicit.resolve_read_processes("cuda") == 2
-    assert StrataConfig.from_extra_config({"read_processes": 0}).resolve_read_processes("cuda") == 0
-    for bad in (-1, 65, "many", 1.5):
-        with pytest.raises(ConfigError, match="read_processes"):
-            StrataConfig.from_extra_config({"read_processes": bad})
-
-
-def test_write_processes_auto_is_none_on_cpu_and_one_per_write_thread_off_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvstrata.config as config
+    def resolved(cfg: StrataConfig, device: str) -> int:
+        return getattr(cfg, f"resolve_{option}")(device)
 
     cfg = StrataConfig.from_extra_config({})
-    assert cfg.write_processes == "auto"
+    assert getattr(cfg, option) == "auto"
     for cores, processes in ((1, 1), (2, 2), (64, 4)):
         monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
-        assert cfg.resolve_write_processes("cuda") == cfg.resolve_write_processes("xpu") == processes
-        assert cfg.resolve_write_processes("cpu") == 0
-    threads = StrataConfig.from_extra_config({"write_threads": 3})
-    assert threads.resolve_write_processes("cuda") == 3  # one per write thread
-    assert threads.resolve_write_processes("cpu") == 0
-    explicit = StrataConfig.from_extra_config({"write_processes": "2"})
-    assert explicit.resolve_write_processes("cpu") == explicit.resolve_write_processes("cuda") == 2
-    assert StrataConfig.from_extra_config({"write_processes": 0}).resolve_write_processes("cuda") == 0
+        assert resolved(cfg, "cuda") == resolved(cfg, "xpu") == processes
+        assert resolved(cfg, "cpu") == 0
+    threads = StrataConfig.from_extra_config({threads_option: 3})
+    assert resolved(threads, "cuda") == 3 and resolved(threads, "cpu") == 0
+    explicit = StrataConfig.from_extra_config({option: "2"})
+    assert resolved(explicit, "cpu") == resolved(explicit, "cuda") == 2
+    assert resolved(StrataConfig.from_extra_config({option: 0}), "cuda") == 0
     for bad in (-1, 65, "many", 1.5):
-        with pytest.raises(ConfigError, match="write_processes"):
-            StrataConfig.from_extra_config({"write_processes": bad})
+        with pytest.raises(ConfigError, match=option):
+            StrataConfig.from_extra_config({option: bad})
 
 
 def test_switch_interval_is_only_ever_lowered() -> None:
