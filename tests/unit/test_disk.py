@@ -501,6 +501,50 @@ def test_a_key_twice_in_one_batch_is_stored_once(tmp_path: Path) -> None:
         assert stats["stored_bytes"] == sum(r.stored_len for _, r in store.iter_index())
 
 
+def test_a_key_evicted_in_a_batch_and_put_again_in_it_is_stored(tmp_path: Path) -> None:
+    """The writer asks its index mirror (the index as the last commit left it) whether a key is
+    stored, unless the running transaction changed that key. Here X was stored by the previous
+    transaction, and the next one evicts it to make room for Y, then puts X again (queued while X
+    was not stored yet): X must be written, not taken for stored."""
+    import threading
+
+    small, big = 1024, 64 << 10  # codec "raw": a frame is its value plus a fixed header
+    with open_store(tmp_path / "probe", codec="raw") as probe:
+        probe.put_many([(key(0), rand_bytes(small, 0), "uint8")])
+        header = probe.stats()["stored_bytes"] - small
+    fillers = [(key(100 + i), rand_bytes(small, 100 + i), "uint8") for i in range(63)]
+    filler_bytes = 63 * (small + header)
+    # Room for the fillers, X and Y less half the fillers: Y's put evicts the oldest (the first
+    # key and X, enough for it), X's put again the oldest fillers (not Y).
+    budget = 2 * (big + header) + filler_bytes // 2
+    x, y = (key(1), rand_bytes(big, 1), "uint8"), (key(2), rand_bytes(big, 2), "uint8")
+    with open_store(tmp_path / "s", codec="raw", budget_bytes=budget) as store:
+        assert store.put_many([(key(0), rand_bytes(small, 0), "uint8")]) == 1  # the mirror is built
+        holding, release = threading.Event(), threading.Event()
+
+        def hold(txn, h) -> None:
+            holding.set()
+            assert release.wait(30)
+
+        holder = threading.Thread(target=store.write, args=(hold,))
+        holder.start()
+        assert holding.wait(30)
+        reports: list[int] = []
+        finished = threading.Event()
+        # One transaction of 64 small puts (the writer's batch limit): X and the fillers; the
+        # next one Y, then X again.
+        store.put_many_then([x, *fillers], reports.append)
+        store.put_many_then([y, x], lambda n: (reports.append(n), finished.set()))
+        release.set()
+        holder.join(30)
+        assert finished.wait(30) and reports == [64, 2], reports
+        stats = store.stats()
+        assert stats["evictions"] >= 2, stats
+        assert read(store, x[0], big) == x[1]
+        assert read(store, y[0], big) == y[1]
+        assert stats["stored_bytes"] == sum(r.stored_len for _, r in store.iter_index())
+
+
 def test_map_grown_by_another_process(tmp_path: Path) -> None:
     path = tmp_path / "s"
     store = open_store(path, map_size=16 * MiB)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvstrata.tiers.disk import DiskStore
+from kvstrata.tiers.disk.reserve import NEAR_BYTES, FsReserve
 
 MiB = 1 << 20
 FS_BYTES = 48 * MiB
@@ -102,3 +103,36 @@ def test_the_store_grows_again_once_the_file_system_has_room(small_fs: Path) -> 
         grown = store.stats()
     assert grown["stored_bytes"] >= held["reserve_cap_bytes"] + 8 * MiB, (held, grown)
     assert grown["full_events"] == 0 and free_bytes(small_fs) >= reserve - 3 * VALUE
+
+
+def test_far_from_the_reserve_the_file_system_is_asked_again_only_after_a_while(
+        tmpfs: Callable[[str], Path]) -> None:
+    """Far above the reserve the writer counts its own puts between measurements; near it, it
+    measures at every transaction. Seen through what a put may store: a reserve that counted
+    writes the file system never saw freezes the store."""
+    mnt = tmpfs("1g")  # nothing else writes here: its free space moves only by this test
+    room = free_bytes(mnt) - MiB  # above a 1 MiB reserve
+    assert room > NEAR_BYTES + 64 * MiB
+    written = room - NEAR_BYTES - 16 * MiB  # still far from the reserve, as counted
+    big_put = NEAR_BYTES + 32 * MiB  # fits the file system, not the counted room
+
+    slow = FsReserve(mnt, MiB, remeasure_s=3600)
+    slow.begin()
+    slow.wrote(written)  # counted, never written
+    slow.begin()  # far, and measured a moment ago: not asked again
+    assert slow.budget(1 << 40, 5, big_put) == (5, True)
+
+    eager = FsReserve(mnt, MiB, remeasure_s=0)
+    eager.begin()
+    eager.wrote(written)
+    eager.begin()  # measured again: the file system still has the room
+    assert eager.budget(1 << 40, 5, big_put) == (1 << 40, False)
+
+
+def test_near_the_reserve_the_file_system_is_asked_at_every_transaction(small_fs: Path) -> None:
+    reserve = 8 * MiB  # leaves about 40 MiB of room: near (below NEAR_BYTES)
+    near = FsReserve(small_fs, reserve, remeasure_s=3600)
+    near.begin()
+    near.wrote(39 * MiB)  # counted, never written: 1 MiB of room left, as counted
+    near.begin()  # near: asked again however recently it was
+    assert near.budget(1 << 40, 5, 16 * MiB) == (1 << 40, False)

@@ -5,7 +5,7 @@ is and new puts make room by evicting (the pages they free are used again, so th
 growing); an empty store puts nothing. The freeze lifts once the file system has room again.
 The writer asks the file system at the start of a write transaction (:meth:`FsReserve.begin`),
 then counts its own puts against what it was told. While the file system has plenty of room above
-the reserve it asks at most every ``REMEASURE_S`` (each ``statvfs`` releases the GIL, which a busy
+the reserve it asks at most every ``remeasure_s`` (each ``statvfs`` releases the GIL, which a busy
 engine thread then holds for up to a switch interval: docs/BENCHMARKS.md, "Writes framed in
 processes"); near the reserve, at every transaction.
 """
@@ -26,9 +26,10 @@ NEAR_BYTES = 256 << 20  # within this much of the reserve, measured at every tra
 class FsReserve:
     """The reserve of one store, used on its writer thread only."""
 
-    def __init__(self, path: Path | str, reserve_bytes: int) -> None:
+    def __init__(self, path: Path | str, reserve_bytes: int, *, remeasure_s: float = REMEASURE_S) -> None:
         self.path = path
         self.reserve_bytes = max(0, reserve_bytes)
+        self.remeasure_s = remeasure_s
         # While the reserve binds, the stored bytes the store is held to, else None.
         self.cap: int | None = None
         self._room: int | None = None  # file system bytes above the reserve, this transaction
@@ -39,7 +40,7 @@ class FsReserve:
         """A write transaction starts: the file system's room above the reserve (measured again
         unless it was plenty a moment ago, see the module docstring)."""
         now = time.monotonic()
-        if self._room is not None and self._room > NEAR_BYTES and now - self._measured_at < REMEASURE_S:
+        if self._room is not None and self._room > NEAR_BYTES and now - self._measured_at < self.remeasure_s:
             return  # less this process's puts since (``wrote``)
         self._room = self._fs_room()
         self._measured_at = now
