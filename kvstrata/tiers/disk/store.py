@@ -2,8 +2,9 @@
 
 ``DiskStore`` is the façade over the parts of ``kvstrata.tiers.disk``: ``env`` (opening the
 directory, transactions), ``writer`` (the writer and sync threads, eviction), ``recovery`` (the
-verification after an unclean shutdown) and the record layer ``kvstrata.tiers.records`` (what
-one transaction reads and writes). Reads run in the caller's thread (callers use a thread pool),
+verification after an unclean shutdown), ``damage`` (what a read that finds damage does),
+``slab_processes`` (reads and writes in child processes over host slabs) and the record layer
+``kvstrata.tiers.records`` (what one transaction reads and writes). Reads run in the caller's thread (callers use a thread pool),
 each in its own short read transaction that decompresses straight out of the zero-copy map view;
 every write runs on the writer thread. Several processes may open the same store: LMDB
 serialises their write transactions and the running totals live in the store, so that they stay
@@ -32,12 +33,13 @@ from kvstrata.tiers import codec
 from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.codec import parse_mode as parse_codec_mode
-from kvstrata.tiers.disk.children import ProcessesUnavailable
 from kvstrata.tiers.disk.counters import Counters
+from kvstrata.tiers.disk.damage import Damage
 from kvstrata.tiers.disk.encoders import DiskEncoders, EncodeItem, Framed
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
-from kvstrata.tiers.disk.readers import DiskReaders
-from kvstrata.tiers.disk.recovery import Recovery, drop_if_bad
+from kvstrata.tiers.disk.readers import DiskReaders, Outcome
+from kvstrata.tiers.disk.recovery import Recovery
+from kvstrata.tiers.disk.slab_processes import SlabProcesses
 from kvstrata.tiers.disk.writer import PutJob, Writer, now_us, when_committed
 
 if TYPE_CHECKING:
@@ -113,14 +115,10 @@ class DiskStore:
         self._clock_us = clock_us  # wall-clock microseconds: access ticks and max_age_s
         self._close_lock = threading.Lock()
         self._closed = False
-        self._logged_damage: set[str] = set()
         self._auth = auth
         self._env = StoreEnv(self.path, map_size=map_size, create=create, readonly=readonly, mode=mode)
-        self._map_size = map_size
-        self._readers: DiskReaders | None = None  # use_read_processes
-        self._readers_slab: HostSlab | None = None
-        self._encoders: DiskEncoders | None = None  # use_write_processes
-        self._encoders_slab: HostSlab | None = None
+        self._processes = SlabProcesses(self.path, auth=auth, map_size=map_size, level=level,
+                                        codec_mode=codec_mode)
         self.h = self._env.handles
         self.unclean_shutdown = self._env.unclean
         self._writer: Writer | None = None
@@ -133,6 +131,7 @@ class DiskStore:
                 reserve_bytes=reserve_bytes, idle=idle_writer, clock_us=clock_us)
             if self.unclean_shutdown:
                 self._recovery = Recovery(self._writer, self._counts)
+        self._damage = Damage(self.path, self._counts, self._writer, auth, self._touch)
 
     # ---- transactions for the tools ---------------------------------------------------------------
 
@@ -165,12 +164,12 @@ class DiskStore:
         """Decode the value of ``key`` into ``out``; bytes written, or None (a miss, or a record
         that is damaged or not this key's: counted, logged, dropped). ``out`` may then hold
         garbage. Decompression runs inside the short read transaction, straight from the map."""
-        if self._quarantined(key):
+        if self._damage.quarantined(key):
             self._counts.bump("misses")
             return None
-        return self._account_read(key, self.read_outcome(key, out))
+        return self._damage.account_read(key, self.read_outcome(key, out))
 
-    def read_outcome(self, key: bytes, out: Buffer) -> tuple[str, Any]:
+    def read_outcome(self, key: bytes, out: Buffer) -> Outcome:
         """The read of ``get_into`` alone, counting and dropping nothing (what a read process
         does, ``disk/readers.py``): ``("ok", bytes written | None | the record's problem)``,
         ``("size", why)`` when ``out`` is too small, ``("error", why)`` when the store failed."""
@@ -186,28 +185,23 @@ class DiskStore:
         """``get_into`` of each ``(key, slot, offset, length)`` into the host slab the read
         processes were given (:meth:`use_read_processes`), ``landed(i, bytes written or None)``
         as each lands, in order. Without read processes, or once they fail, reads here."""
-        readers = self._readers
-        slab = self._readers_slab
-        sent: list[int] = []  # the items read processes read, by index into ``items``
+        sent: list[int] = []  # the items to read, by index into ``items``
         for i, (key, *_) in enumerate(items):
-            if self._quarantined(key):
+            if self._damage.quarantined(key):
                 self._counts.bump("misses")
                 landed(i, None)
             else:
                 sent.append(i)
-        if readers is not None and readers.available and sent:
-            done = 0
 
-            def answer(j: int, outcome: tuple[str, Any]) -> None:
-                nonlocal done
-                done = j + 1
-                landed(sent[j], self._account_read(items[sent[j]][0], outcome))
+        def answer(j: int, outcome: Outcome) -> None:
+            landed(sent[j], self._damage.account_read(items[sent[j]][0], outcome))
 
-            try:
-                readers.read_many([items[i] for i in sent], answer)
-                return
-            except ProcessesUnavailable:
-                sent = sent[done:]  # read here, over what a dying process may have half written
+        # The rest (all without processes, or past where they failed) is read here, over what a
+        # dying process may have half written.
+        sent = sent[self._processes.read_many([items[i] for i in sent], answer):]
+        slab = self._processes.read_slab
+        if not sent:
+            return
         if slab is None:
             raise ValueError("get_many_into_slab needs use_read_processes first")
         for i in sent:
@@ -218,43 +212,12 @@ class DiskStore:
         """Read chunks for ``get_many_into_slab`` in ``processes`` processes of their own, each
         with the store open read-only and ``slab`` mapped (``disk/readers.py``); 0 reads in the
         calling threads. Raises ProcessesUnavailable when they cannot start."""
-        if self._readers is not None and (slab is not self._readers_slab or processes <= 0):
-            self._readers.close()  # started for another slab, or no longer wanted
-            self._readers = None
-        self._readers_slab = slab
-        if processes > 0 and self._readers is None:
-            self._readers = DiskReaders(self.path, slab.path, slab.slot_bytes, slab.num_slots,
-                                        processes=processes, auth=self._auth, map_size=self._map_size)
+        self._processes.use_readers(slab, processes)
 
     @property
     def read_processes(self) -> DiskReaders | None:
         """The processes ``get_many_into_slab`` reads in (``use_read_processes``), or None."""
-        return self._readers
-
-    def _quarantined(self, key: bytes) -> bool:
-        writer = self._writer
-        return writer is not None and bool(writer.quarantined) and key in writer.quarantined
-
-    def _account_read(self, key: bytes, outcome: tuple[str, Any]) -> int | None:
-        """Count a read's outcome, touch a hit, drop a bad record; the bytes read or None."""
-        kind, result = outcome
-        if kind == "size":
-            log.debug("get_into(%s): %s", key.hex(), result)
-            self._counts.bump("size_mismatch")
-            result = None
-        elif kind == "error":
-            kind_name, message = result
-            self._log_damage(f"read of {key.hex()} failed: {kind_name}: {message}", None, kind=kind_name)
-            result = None
-        if result is None:
-            self._counts.bump("misses")
-            return None
-        if isinstance(result, str):
-            self._on_corrupt(key, result)
-            return None
-        self._counts.bump("hits")
-        self._touch([key])
-        return int(result)
+        return self._processes.readers
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """Record an access to these keys without reading them (a chunk served from the host
@@ -272,23 +235,17 @@ class DiskStore:
                 found = writer.index_mirror.answer(keys, self._env.last_txnid())
                 if found is not None:
                     self._counts.bump_many(lookups=len(keys), mirrored_lookups=len(keys))
-                    return self._unquarantined(keys, found)
+                    return self._damage.unquarantined(keys, found)
             self._counts.bump("lookups", len(keys))
             return self._env.txn(lambda txn: self._probe(txn, keys), buffers=True)
         except (StoreUnavailableError, lmdb.Error) as exc:
-            self._log_damage("lookup failed", exc)
+            self._damage.log("lookup failed", exc)
             return [False] * len(keys)
 
     def _probe(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> list[bool]:
         # A cursor seek answers presence without materialising the value.
         cursor = txn.cursor(db=self.h.index)
-        return self._unquarantined(keys, [cursor.set_key(k) for k in keys])
-
-    def _unquarantined(self, keys: Sequence[bytes], found: list[bool]) -> list[bool]:
-        quarantined = self._writer.quarantined if self._writer is not None else None
-        if quarantined:
-            found = [f and k not in quarantined for k, f in zip(keys, found, strict=True)]
-        return found
+        return self._damage.unquarantined(keys, [cursor.set_key(k) for k in keys])
 
     def iter_index(self) -> Iterator[tuple[bytes, rec.IndexRecord]]:
         """Every readable (key, record) in key order, in batches of separate short transactions
@@ -300,13 +257,12 @@ class DiskStore:
             try:
                 good, bad, after = self._env.txn(partial(scans.index_batch, h=self.h, after=after))
             except lmdb.Error as exc:  # the index's own pages are damaged: stop, never raise
-                self._log_damage("the index cannot be read past this point", exc)
+                self._damage.log("the index cannot be read past this point", exc)
                 return
             if bad:
                 self._counts.bump("index_unreadable", len(bad))
-                self._log_damage(f"{len(bad)} unreadable index record(s), e.g. {bad[0].hex()}", None)
-                if self._writer is not None:
-                    self._drop_soon(bad)
+                self._damage.log(f"{len(bad)} unreadable index record(s), e.g. {bad[0].hex()}", None)
+                self._damage.drop_soon(bad)
             touched = self._writer.touched() if self._writer is not None else {}
             for key, found in good:
                 tick = touched.get(key)
@@ -356,7 +312,7 @@ class DiskStore:
         """The registered namespaces (fingerprint -> description); unreadable entries skipped."""
         found, bad = self._env.txn(lambda txn: rec.namespaces(txn, self.h))
         if bad:
-            self._log_damage(f"{len(bad)} unreadable namespace entr(ies), e.g. {bad[0].hex()}", None)
+            self._damage.log(f"{len(bad)} unreadable namespace entr(ies), e.g. {bad[0].hex()}", None)
         return found
 
     def stats(self) -> dict[str, Any]:
@@ -397,7 +353,7 @@ class DiskStore:
         if totals is not None:
             return totals
         # Derived data: recount, and have the writer store the recount once.
-        self._log_damage("the totals record is unreadable; recounted", None)
+        self._damage.log("the totals record is unreadable; recounted", None)
         if self._writer is not None:
             self._writer.call_soon(self._rewrite_totals)
         return rec.recount(txn, self.h)[0]
@@ -432,7 +388,7 @@ class DiskStore:
         """``put_many_then`` of ``(key, slot, offset, length, dtype)`` shards of the host slab the
         write processes were given (:meth:`use_write_processes`), framed in those processes;
         without them, or once they fail, framed here."""
-        slab = self._encoders_slab
+        slab = self._processes.write_slab
         if slab is None:
             raise ValueError("put_many_from_slab_then needs use_write_processes first")
         entries = [(key, slab.view(slot, offset, length), dtype) for key, slot, offset, length, dtype in items]
@@ -442,22 +398,12 @@ class DiskStore:
         """Frame chunks for ``put_many_from_slab_then`` in ``processes`` processes of their own,
         each with ``slab`` mapped (``disk/encoders.py``), at idle CPU priority if ``idle``; 0
         frames in the calling threads. Raises ProcessesUnavailable when they cannot start."""
-        if self._encoders is not None and (slab is not self._encoders_slab or processes <= 0):
-            self._encoders.close()  # started for another slab, or no longer wanted
-            self._encoders = None
-        self._encoders_slab = slab
-        if processes > 0 and self._encoders is None:
-            # A frame slot holds the frames of one put_many call: at most a slot of the slab,
-            # plus each shard's frame header and plane table.
-            self._encoders = DiskEncoders(
-                slab.path, slab.slot_bytes, slab.num_slots, processes=processes,
-                frame_slot_bytes=slab.slot_bytes + (64 << 10), auth=self._auth, level=self._level,
-                mode=self._codec_mode, idle=idle)
+        self._processes.use_encoders(slab, processes, idle=idle)
 
     @property
     def write_processes(self) -> DiskEncoders | None:
         """The processes ``put_many_from_slab_then`` frames in (``use_write_processes``), or None."""
-        return self._encoders
+        return self._processes.encoders
 
     def _submit_puts(self, entries: Sequence[tuple[bytes, Buffer, str]],
                      slab_items: Sequence[EncodeItem] | None = None) -> tuple[int, list[Future[bool]]]:
@@ -485,13 +431,7 @@ class DiskStore:
             if here:
                 self._touch([entries[i][0]])
         self._counts.bump("put_present", stored)
-        batch = None
-        encoders = self._encoders
-        if slab_items is not None and encoders is not None and encoders.available and todo:
-            try:
-                batch = encoders.frame_many([slab_items[i] for i in todo])
-            except ProcessesUnavailable:
-                pass  # framed here
+        batch = None if slab_items is None else self._processes.frame_many([slab_items[i] for i in todo])
         framed: list[Framed] = [None] * len(todo) if batch is None else batch.framed
         futures: list[Future[bool]] = []
         in_batch: list[Future[bool]] = []  # the puts whose frames are the batch's
@@ -559,10 +499,7 @@ class DiskStore:
             if self._closed:
                 return
             self._closed = True
-            if self._readers is not None:
-                self._readers.close()
-            if self._encoders is not None:
-                self._encoders.close()  # the puts they framed are still written (the frames stay mapped)
+            self._processes.close()  # the puts they framed are still written (the frames stay mapped)
             writer = self._writer
             if writer is not None:
                 writer.request_stop()
@@ -603,38 +540,3 @@ class DiskStore:
     def _touch(self, keys: Sequence[bytes]) -> None:
         if self._writer is not None:
             self._writer.touch(keys, self._next_tick())
-
-    def _on_corrupt(self, key: bytes, problem: str) -> None:
-        if problem == rec.FORGED:
-            self._counts.bump("forged")
-            self._counts.bump("misses")
-            if "forged" not in self._logged_damage:  # a store under another key: every record
-                self._logged_damage.add("forged")
-                log.warning("store at %s: record %s not served: %s; dropped, and counted as "
-                            "'forged' (logged once)", self.path, key.hex(), problem)
-            writer = self._writer
-            if writer is not None:
-                writer.call_soon(lambda: drop_if_bad(writer, [key], "forged_dropped", self._auth))
-            return
-        self._counts.bump("corrupt")
-        self._counts.bump("misses")
-        log.warning("store at %s: corrupt record %s (%s); treated as a miss", self.path, key.hex(), problem)
-        if rec.deletable_in_place(problem):
-            self._drop_soon([key])
-        elif self._writer is not None:
-            self._writer.quarantine(key, f"{key.hex()}: {problem}")
-
-    def _drop_soon(self, keys: list[bytes]) -> None:
-        """Have the writer re-check these records and drop those still bad."""
-        writer = self._writer
-        if writer is not None:
-            writer.call_soon(lambda: drop_if_bad(writer, keys, "corrupt_dropped"))
-
-    def _log_damage(self, what: str, exc: BaseException | None, kind: str | None = None) -> None:
-        """Log a store-level problem once per kind (a damaged store would flood the log): the
-        exception's type, ``kind``, or else ``what`` itself."""
-        kind = kind or (what if exc is None else type(exc).__name__)
-        if kind in self._logged_damage:
-            return
-        self._logged_damage.add(kind)
-        log.warning("store at %s: %s%s", self.path, what, f": {exc}" if exc is not None else "")
