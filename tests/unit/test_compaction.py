@@ -104,10 +104,10 @@ def test_policy_needs_and_validation() -> None:
 
 
 def test_disk_tier_uses_the_policy_as_its_eviction_choice() -> None:
-    # One implementation: the disk tier's writer evicts by the retention module's rule.
-    from kvstrata.tiers.disk import writer
+    # One implementation: the disk tier's puts evict by the retention module's rule.
+    from kvstrata.tiers.disk import putter
 
-    assert writer.select_victims is retention.select_victims
+    assert putter.select_victims is retention.select_victims
 
 
 # ---- the public store API the tools rely on ----------------------------------------------------

@@ -3,8 +3,8 @@ that makes them durable (``env.sync()``).
 
 Puts come compressed; the writer batches small ones into one transaction and gives large ones a
 transaction each (batching large values makes LMDB malloc and fault dirty overflow pages per
-transaction, docs/STORAGE.md). When a put would exceed the byte budget it evicts the least
-recently used records (``tiers.retention``) in the same transaction. A full map or disk stops
+transaction, docs/STORAGE.md). What one transaction of puts does, evictions included, is the
+``putter``'s. A full map or disk stops
 admission for a while, logged once; reads go on. Access ticks are buffered in memory by reads
 and flushed in batches (reads never write).
 
@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,9 +32,9 @@ from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.counters import Counters
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.index_mirror import IndexMirror
+from kvstrata.tiers.disk.putter import PutOutcome, Putter
 from kvstrata.tiers.disk.reserve import FsReserve
 from kvstrata.tiers.priority import lower_this_thread, name_this_thread
-from kvstrata.tiers.retention import select_victims
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,6 @@ class _CallJob:
 
 
 _STOP = object()
-
-
-@dataclass(slots=True)
-class _PutOutcome:
-    written: bool = False
-    evicted: int = 0
-    evicted_bytes: int = 0
-    reason: str = ""
 
 
 def when_committed(present: int, futures: list[Future[bool]], done: Callable[[int], None]) -> None:
@@ -123,15 +115,10 @@ class Writer:
         self.h = env.handles
         self.counts = counters
         self.budget_bytes = budget_bytes
-        self._evict_slack = max(0.0, evict_slack)
-        # Retention: whenever the writer evicts, chunks idle longer than this go first.
-        self._max_age_us = None if max_age_s is None else int(max_age_s * 1_000_000)
         self._sync_interval = sync_interval_s
         self._sync_bytes = sync_bytes
         self._touch_interval = touch_flush_interval_s
         self._full_retry_s = full_retry_s
-        # Free space the store leaves its file system (module docstring); writer thread only.
-        self.reserve = FsReserve(env.path, reserve_bytes)
         self.admitting = True
         self._retry_at = 0.0
         self._full_logged = False
@@ -147,10 +134,6 @@ class Writer:
         # Told the store keys of records deleted (evicted, dropped as corrupt, deleted) once their
         # transaction committed; called on the writer thread, so it must not wait on the store.
         self.on_removed: Callable[[list[bytes]], None] | None = None
-        self._removed: list[bytes] = []  # deleted by the write transaction running now
-        self._added: list[bytes] = []  # put by the write transaction running now
-        # (the put transaction that committed last, the totals it wrote): see _totals.
-        self._committed_totals: tuple[int, rec.Totals] | None = None
         # The index's keys in memory, for presence probes that never release the GIL; built on
         # the writer thread before its first job (tiers/disk/index_mirror.py).
         self.index_mirror = IndexMirror()
@@ -158,6 +141,14 @@ class Writer:
         # deleted by this process; `kvstrata verify --repair` rebuilds the store around them.
         self.quarantined: set[bytes] = set()
         self._quarantine_logged = False
+        # What a write transaction puts and deletes (writer thread only). Retention: whenever
+        # it evicts, chunks idle longer than max_age_s go first. Its reserve: the free space
+        # the store leaves its file system (module docstring).
+        self.putter = Putter(
+            self.h, FsReserve(env.path, reserve_bytes), budget_bytes=budget_bytes, evict_slack=evict_slack,
+            max_age_us=None if max_age_s is None else int(max_age_s * 1_000_000), clock_us=clock_us,
+            touched=self.touched, quarantined=self.quarantined, quarantine=self.quarantine,
+            on_deleted=self._forget_touches, on_recount=self._recounting, mirror=self.index_mirror)
         self._thread = _spawn(self._loop, "writer")
         self._syncer = _spawn(self._sync_loop, "sync")
 
@@ -195,12 +186,14 @@ class Writer:
                    tracked: bool = True) -> T:
         txnid = -1
 
+        putter = self.putter
+
         def body(txn: lmdb.Transaction) -> T:
             nonlocal txnid
-            self._removed, self._added = [], []  # (again when the transaction is retried)
+            putter.start()  # (again when the transaction is retried)
             txnid = txn.id()
             result = fn(txn)
-            if tracked and not self._added and not self._removed:
+            if tracked and not putter.added and not putter.removed:
                 # LMDB commits nothing for a transaction that changed nothing, and another
                 # process's next commit would then take this id: the index mirror could not tell
                 # it from this one. Rewrite the session's marker so that this one commits.
@@ -210,8 +203,8 @@ class Writer:
         try:
             result = self.env.txn(body, write=True, buffers=buffers)
         finally:
-            added, self._added = self._added, []
-        removed, self._removed = self._removed, []
+            added, removed = putter.added, putter.removed
+            putter.start()
         self._follow(txnid, added, removed, tracked)
         if removed and self.on_removed is not None:
             try:
@@ -221,32 +214,23 @@ class Writer:
         self.mark_dirty()
         return result
 
-    def deleted(self, keys: Iterable[bytes]) -> None:
-        """Inside a write transaction on the writer thread: these records are being deleted."""
-        keys = list(keys)
-        self._removed.extend(keys)
-        with self._touch_lock:
-            for key in keys:
-                self._touched.pop(key, None)
+    @property
+    def reserve(self) -> FsReserve:
+        return self.putter.reserve
 
     def delete(self, txn: lmdb.Transaction, totals: rec.Totals, keys: Iterable[bytes]) -> tuple[int, int]:
         """Delete records in ``txn`` (writer thread); (count, stored bytes freed). A record whose
         pages may not be its own is left in place and quarantined (never read again here)."""
-        count = freed = 0
-        gone: list[bytes] = []
-        for key in keys:
-            try:
-                n = rec.delete(txn, self.h, key, totals)
-            except rec.StructuralDamage as exc:
-                self.quarantine(key, str(exc))
-                continue
-            if n is None:
-                continue
-            gone.append(bytes(key))
-            count += 1
-            freed += n
-        self.deleted(gone)
-        return count, freed
+        return self.putter.delete(txn, totals, keys)
+
+    def _forget_touches(self, keys: list[bytes]) -> None:
+        with self._touch_lock:
+            for key in keys:
+                self._touched.pop(key, None)
+
+    def _recounting(self) -> None:
+        log.warning("store at %s: the totals record is unreadable; recounting it", self.env.path)
+        self.counts.bump("totals_recounted")
 
     def quarantine(self, key: bytes, why: str) -> None:
         self.quarantined.add(bytes(key))
@@ -408,21 +392,18 @@ class Writer:
         except Exception:  # a bug must not kill the writer and leave callers waiting forever
             log.exception("store at %s: writing %d entries failed", self.env.path, len(jobs))
             self.counts.bump("admission_drops", len(jobs))
-            outcomes = [_PutOutcome() for _ in jobs]
+            outcomes = [PutOutcome() for _ in jobs]
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.future.set_result(outcome.written)
         return carry
 
-    def _write_batch(self, jobs: list[PutJob]) -> list[_PutOutcome]:
+    def _write_batch(self, jobs: list[PutJob]) -> list[PutOutcome]:
         written: tuple[int, rec.Totals] | None = None
 
-        def body(txn: lmdb.Transaction) -> list[_PutOutcome]:
+        def body(txn: lmdb.Transaction) -> list[PutOutcome]:
             nonlocal written
-            self.reserve.begin()
-            totals = self._totals(txn)
-            outcomes = [self._put(txn, totals, job) for job in jobs]
-            rec.write_totals(txn, self.h, totals)
-            written = (txn.id(), rec.Totals(totals.entries, totals.raw_bytes, totals.stored_bytes))
+            outcomes, totals = self.putter.batch(txn, jobs)
+            written = (txn.id(), totals)
             return outcomes
 
         try:
@@ -430,76 +411,20 @@ class Writer:
         except (lmdb.Error, OSError) as exc:  # MapFullError, DiskError (ENOSPC), EFBIG, EIO...
             self.on_write_failure(exc)
             self.counts.bump("admission_drops", len(jobs))
-            return [_PutOutcome() for _ in jobs]
-        self._committed_totals = written
+            return [PutOutcome() for _ in jobs]
+        self.putter.committed_totals = written
+        self._count_written(jobs, outcomes)
+        return outcomes
+
+    def _count_written(self, jobs: list[PutJob], outcomes: list[PutOutcome]) -> None:
         self._dirty_bytes += sum(len(job.frame) for job in jobs)
         for outcome in outcomes:
-            self.counts.bump("evictions", outcome.evicted)
-            self.counts.bump("evicted_bytes", outcome.evicted_bytes)
+            self.counts.bump_many(evictions=outcome.evicted, evicted_bytes=outcome.evicted_bytes,
+                                  reserve_freezes=int(outcome.froze))
             if outcome.written:
                 self.counts.bump("puts")
             elif outcome.reason:
                 self.counts.bump(outcome.reason)
-        return outcomes
-
-    def _totals(self, txn: lmdb.Transaction) -> rec.Totals:
-        # What the last put transaction wrote, if it is the last committed one (no other write,
-        # of this process or another, since): not read again (a GIL release less per put).
-        last = self._committed_totals
-        if last is not None and last[0] == txn.id() - 1:
-            t = last[1]
-            return rec.Totals(t.entries, t.raw_bytes, t.stored_bytes)
-        totals = rec.read_totals(txn, self.h)
-        if totals is None:  # derived data: recount (and the put rewrites them)
-            log.warning("store at %s: the totals record is unreadable; recounting it", self.env.path)
-            self.counts.bump("totals_recounted")
-            totals = rec.recount(txn, self.h)[0]
-        return totals
-
-    def _put(self, txn: lmdb.Transaction, totals: rec.Totals, job: PutJob) -> _PutOutcome:
-        outcome = _PutOutcome()
-        if self._stored(txn, job.key):
-            outcome.written = True  # stored meanwhile (same key, same content)
-            return outcome
-        stored = len(job.frame)
-        if stored > self.budget_bytes:
-            outcome.reason = "too_large_drops"
-            return outcome
-        budget, froze = self.reserve.budget(self.budget_bytes, totals.stored_bytes, stored)
-        if froze:
-            self.counts.bump("reserve_freezes")
-        if budget < stored:
-            outcome.reason = "reserve_drops"  # below the reserve with too little to evict
-            return outcome
-        over = totals.stored_bytes + stored - budget
-        if over > 0:
-            need = over + int(self._evict_slack * budget)
-            expire = None if self._max_age_us is None else self._clock_us() - self._max_age_us
-            victims = select_victims(self._eviction_candidates(txn), need_bytes=need, expire_before_us=expire)
-            outcome.evicted, outcome.evicted_bytes = self.delete(txn, totals, victims)
-        rec.put(txn, self.h, job.key, job.frame, rec.index_record(job.key, job.info, stored, job.tick, job.mac), totals)
-        self._added.append(job.key)
-        self.reserve.wrote(stored)
-        outcome.written = True
-        return outcome
-
-    def _stored(self, txn: lmdb.Transaction, key: bytes) -> bool:
-        """Whether the index holds ``key`` in write transaction ``txn``: from the index mirror
-        when it reflects the transaction this one started from (no GIL release) and ``txn``
-        did not put or delete the key itself, else from LMDB."""
-        mirrored = self.index_mirror.answer([key], txn.id() - 1)
-        if mirrored is not None and key not in self._added and key not in self._removed:
-            return mirrored[0]
-        return txn.get(key, db=self.h.index) is not None
-
-    def _eviction_candidates(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, int, int]]:
-        touched = self.touched()
-        quarantined = self.quarantined
-        for key, value in txn.cursor(db=self.h.index):
-            found = rec.decode_index(value)
-            if found is None or (quarantined and bytes(key) in quarantined):
-                continue  # unreadable (left to verification) or quarantined
-            yield bytes(key), max(found.tick, touched.get(bytes(key), 0)), found.stored_len
 
     # ---- durability ---------------------------------------------------------------------------
 
