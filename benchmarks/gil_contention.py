@@ -45,6 +45,7 @@ from kvstrata.tiers.hierarchy import Hierarchy
 from kvstrata.tiers.host import HostPool, HostSlab
 
 DTYPE = "bfloat16"
+PARTS = {"threads", "promotions", "writes"}
 ANSWER_TIMEOUT_S = 60.0  # the child's answer to one chunk, far beyond any read or encode
 
 
@@ -60,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--switch-intervals", default="0.005,0.0005",
                    help="comma-separated sys.setswitchinterval values (seconds)")
     p.add_argument("--dir", help="where the store and slab go (default: a temporary directory here)")
+    p.add_argument("--codec", choices=("auto", "raw"), default="auto",
+                   help="the hierarchies' store codec (raw: framing is a copy and a checksum, so the "
+                        "puts themselves are most of a write)")
+    p.add_argument("--parts", default="threads,promotions,writes",
+                   help="which parts to run (comma-separated: threads, promotions, writes)")
     args = p.parse_args(argv)
     try:
         args.intervals = [float(s) for s in args.switch_intervals.split(",")]
@@ -69,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             or args.batch < 1 or args.processes < 1 or not args.intervals or min(args.intervals) <= 0):
         p.error("--chunk-bytes even, --chunks, --seconds, --batch, --processes and "
                 "--switch-intervals positive")
+    args.part_names = set(args.parts.split(","))
+    if not args.part_names or not args.part_names <= PARTS:
+        p.error(f"--parts: comma-separated, of {', '.join(sorted(PARTS))}; not {args.parts!r}")
     return args
 
 
@@ -162,15 +171,19 @@ def child(store_path: str, slab_path: str, chunk_bytes: int, chunks: int, conn: 
 NS = b"gil-contention-ns"  # the hierarchy's one namespace (one shard per chunk)
 
 
-def processes_compared(args: argparse.Namespace, by_processes: dict[int, Hierarchy],
-                       op_for: Callable[[Hierarchy], Callable[[int], None]], nbytes: int, what: str,
-                       failures: str) -> dict[str, Any]:
-    """Per switch interval, for each hierarchy (by its ``what`` processes, 0 first): GB/s of its
-    ``op_for(h)`` (``nbytes`` each) alone and beside the busy thread, and the busy thread's rate
-    beside it against alone; raises if the hierarchy counted ``failures``."""
+Config = tuple[Hierarchy, Callable[[], None]]  # a hierarchy, and what sets the store up for it
+
+
+def compared(args: argparse.Namespace, configs: dict[str, Config], op_for: Callable[[Hierarchy], Callable[[int], None]],
+             nbytes: int, failures: str, ratios: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Per switch interval, for each named configuration (its setup run first): GB/s of its
+    hierarchy's ``op_for(h)`` (``nbytes`` each) alone and beside the busy thread, and the busy
+    thread's rate beside it against alone; ``ratios``: name -> (configuration, against which),
+    beside the busy thread. Raises if a hierarchy counted ``failures``."""
     def row_for(busy_alone: float) -> dict[str, Any]:
         row: dict[str, Any] = {}
-        for processes, h in by_processes.items():
+        for name, (h, setup) in configs.items():
+            setup()
             op = op_for(h)
             alone, _ = timed(op, args.seconds, nbytes, busy=False)
             beside, rate = timed(op, args.seconds, nbytes, busy=True)
@@ -178,15 +191,17 @@ def processes_compared(args: argparse.Namespace, by_processes: dict[int, Hierarc
             failed = h.stats()[failures]
             if failed:
                 raise RuntimeError(f"{failed} {failures}")
-            row[f"{what}_processes_{processes}"] = {"alone_gbps": round(alone, 3),
-                                                     "beside_busy_gbps": round(beside, 3),
-                                                     "busy_rate_vs_alone": round(rate / busy_alone, 3)}
-        row["processes_vs_threads_beside_busy"] = round(
-            row[f"{what}_processes_{max(by_processes)}"]["beside_busy_gbps"]
-            / row[f"{what}_processes_0"]["beside_busy_gbps"], 3)
+            row[name] = {"alone_gbps": round(alone, 3), "beside_busy_gbps": round(beside, 3),
+                         "busy_rate_vs_alone": round(rate / busy_alone, 3)}
+        for ratio, (name, base) in ratios.items():
+            row[ratio] = round(row[name]["beside_busy_gbps"] / row[base]["beside_busy_gbps"], 3)
         return row
 
     return per_interval(args, row_for)
+
+
+def nothing() -> None:
+    """A configuration that needs no setup."""
 
 
 def per_interval(args: argparse.Namespace, row_for: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
@@ -209,7 +224,8 @@ class Rig:
 
     def __init__(self, args: argparse.Namespace, store_path: Path, slab_dir: Path, budget_chunks: int) -> None:
         self.args, self.slab_dir = args, slab_dir
-        self.disk = DiskStore(store_path, budget_bytes=budget_chunks * args.chunks * args.chunk_bytes + (64 << 20))
+        self.disk = DiskStore(store_path, budget_bytes=budget_chunks * args.chunks * args.chunk_bytes + (64 << 20),
+                              codec=args.codec)
         self.slabs: list[HostSlab] = []
         self.made: list[Hierarchy] = []
 
@@ -240,7 +256,7 @@ class Rig:
 def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
     """Per switch interval and ``read_processes`` (0, then ``--processes``): GB/s of a real
     hierarchy promoting every chunk of its disk into its host tier (one lookup's worth, waited
-    for, then the host tier reset), alone and beside the busy thread (``processes_compared``)."""
+    for, then the host tier reset), alone and beside the busy thread (``compared``)."""
     rng = np.random.default_rng(1)
     keys = [i.to_bytes(32, "big") + bytes(4) for i in range(args.chunks)]  # group 0
     n = args.processes
@@ -248,8 +264,8 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
         rig.disk.put_many([(NS + k, kv_like(rng, args.chunk_bytes), DTYPE) for k in keys])
         # Threads first: once the store has read processes it keeps them (a hierarchy asking
         # for none reads in its threads all the same).
-        by_processes = {p: rig.hierarchy(f"read-{p}", read_threads=n, max_concurrent_reads=n, read_processes=p)
-                        for p in (0, n)}
+        configs = {f"read_processes_{p}": (rig.hierarchy(f"read-{p}", read_threads=n, max_concurrent_reads=n,
+                                                         read_processes=p), nothing) for p in (0, n)}
 
         def promote_all(h: Hierarchy) -> Callable[[int], None]:
             def op(i: int) -> None:
@@ -258,8 +274,8 @@ def promotions(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str
                     raise RuntimeError("the promotions did not land")
             return op
 
-        return processes_compared(args, by_processes, promote_all, args.chunks * args.chunk_bytes, "read",
-                                  "promotions_failed")
+        return compared(args, configs, promote_all, args.chunks * args.chunk_bytes, "promotions_failed",
+                        {"processes_vs_threads_beside_busy": (f"read_processes_{n}", "read_processes_0")})
 
 
 def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, Any]:
@@ -267,7 +283,9 @@ def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, An
     hierarchy writing fresh host chunks behind to its disk (``--chunks`` stored, each written,
     compressed and committed, waited for), alone and beside the busy thread, and the busy
     thread's rate beside them against alone (the engine core's loop beside the writes). The
-    write threads run at normal priority (a GPU engine's ``background_priority: auto``)."""
+    write threads run at normal priority (a GPU engine's ``background_priority: auto``). With
+    write processes, what they framed is put by the put process, and once more by the store's
+    writer thread (``DiskStore.use_write_processes(put_process=False)``)."""
     rng = np.random.default_rng(2)
     n = args.processes
     nbytes = args.chunks * args.chunk_bytes
@@ -276,6 +294,13 @@ def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, An
         by_processes = {p: rig.hierarchy(f"write-{p}", fill=rng, write_threads=n, idle_writes=False,
                                          max_write_inflight_bytes=nbytes, write_processes=p)
                         for p in (0, n)}
+
+        def put_process(on: bool) -> Callable[[], None]:
+            return lambda: rig.disk.use_write_processes(by_processes[n].slab, n, put_process=on)
+
+        configs = {"write_processes_0": (by_processes[0], nothing),
+                   f"write_processes_{n}_writer_thread": (by_processes[n], put_process(False)),
+                   f"write_processes_{n}": (by_processes[n], put_process(True))}
 
         def write_all(h: Hierarchy) -> Callable[[int], None]:
             def op(i: int) -> None:
@@ -295,8 +320,11 @@ def writes(args: argparse.Namespace, root: Path, slab_dir: Path) -> dict[str, An
                     raise RuntimeError("the host tier did not reset")
             return op
 
-        out = processes_compared(args, by_processes, write_all, nbytes, "write", "writes_failed")
-        out["framed_by_processes"] = rig.disk.stats()["process_framed"]
+        out = compared(args, configs, write_all, nbytes, "writes_failed", {
+            "processes_vs_threads_beside_busy": (f"write_processes_{n}", "write_processes_0"),
+            "put_process_vs_writer_thread_beside_busy": (f"write_processes_{n}", f"write_processes_{n}_writer_thread")})
+        stats = rig.disk.stats()
+        out["framed_by_processes"], out["put_by_the_put_process"] = stats["process_framed"], stats["process_puts"]
         return out
 
 
@@ -368,13 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     # The slab in shared memory, as the host tier's (HostSlab's default place).
     slab_dir = Path(tempfile.mkdtemp(prefix="gil-contention-", dir="/dev/shm" if Path("/dev/shm").is_dir() else root))
     try:
-        intervals = measure(args, root, slab_dir)
-        promoted = promotions(args, root, slab_dir)
-        written = writes(args, root, slab_dir)
+        parts = args.part_names
+        intervals = measure(args, root, slab_dir) if "threads" in parts else None
+        promoted = promotions(args, root, slab_dir) if "promotions" in parts else None
+        written = writes(args, root, slab_dir) if "writes" in parts else None
     finally:
         shutil.rmtree(slab_dir, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({"chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "seconds": args.seconds,
+                      "codec": args.codec,
                       "batch": args.batch, "processes": args.processes,
                       "switch_intervals": intervals, "promotions": promoted,
                       "writes_behind": written}, indent=1))

@@ -21,6 +21,7 @@ from benchmarks import gil_contention
     *[(argv, "--chunk-bytes even, --chunks, --seconds, --batch, --processes and --switch-intervals positive")
       for argv in (["--chunk-bytes", "3"], ["--chunks", "0"], ["--seconds", "0"], ["--batch", "0"],
                    ["--processes", "0"], ["--switch-intervals", "0.001,0"])],
+    (["--parts", "writes,everything"], "--parts: comma-separated, of promotions, threads, writes; not 'writes,everything'"),
 ])
 def test_bad_options_name_what_is_wrong(argv, says, capsys) -> None:
     assert says in refusal(gil_contention.parse_args, argv, capsys)
@@ -50,10 +51,21 @@ def test_a_short_run_reports_every_figure(tmp_path: Path, capsys) -> None:
     assert promoted["processes_vs_threads_beside_busy"] > 0
     # ... and wrote fresh chunks behind (it raises if one failed or never completed), framed in
     # its write threads and in its write processes.
+    # ... and, framed in its write processes, put by the put process and by the writer thread.
     written = result["writes_behind"]
-    for processes in (0, 1):
-        assert written["0.001"][f"write_processes_{processes}"]["alone_gbps"] > 0
-        assert written["0.001"][f"write_processes_{processes}"]["beside_busy_gbps"] > 0
-    assert written["framed_by_processes"] > 0
+    for name in ("write_processes_0", "write_processes_1", "write_processes_1_writer_thread"):
+        assert written["0.001"][name]["alone_gbps"] > 0
+        assert written["0.001"][name]["beside_busy_gbps"] > 0
+    assert written["0.001"]["put_process_vs_writer_thread_beside_busy"] > 0
+    assert written["framed_by_processes"] > 0 and written["put_by_the_put_process"] > 0
     assert sys.getswitchinterval() == interval  # restored
     assert list(tmp_path.iterdir()) == []  # its store is removed
+
+
+def test_parts_run_alone(tmp_path: Path, capsys) -> None:
+    assert gil_contention.main(["--chunk-bytes", str(64 << 10), "--chunks", "2", "--seconds", "0.1",
+                                "--processes", "1", "--switch-intervals", "0.001", "--dir", str(tmp_path),
+                                "--parts", "writes"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["switch_intervals"] is None and result["promotions"] is None
+    assert result["writes_behind"]["put_by_the_put_process"] > 0

@@ -199,3 +199,83 @@ def test_a_hierarchy_whose_write_processes_cannot_start_frames_in_its_threads(en
         assert all(on_disk(disk, x) for x in keys) and disk.stats()["process_framed"] == 0
     finally:
         disk.close()
+
+
+# ---- the put process (tiers/disk/writer.py, "The put process") ------------------------------
+
+
+def test_the_put_process_puts_what_the_processes_framed(tmp_path: Path, slab) -> None:
+    """Put calls framed by the write processes are put by the put process; the writer's index
+    mirror follows its commits (presence answered from memory), and the bytes read back."""
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+        s.use_write_processes(slab, 2)
+        assert len(disk_children("put_process")) == 1
+        for i in range(8):
+            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+        stats = s.stats()
+        assert stats["process_framed"] == 8 and stats["process_puts"] == 8 and stats["puts"] == 8, stats
+        assert s.contains_many([k(i) for i in range(9)]) == [True] * 8 + [False]
+        assert s.stats()["mirrored_lookups"] == 9  # the mirror followed the put process's commits
+        for i in range(8):
+            assert read(s, k(i), SLOT) == value(i).tobytes()
+        assert stats["stored_bytes"] == sum(r.stored_len for _, r in s.iter_index())
+
+
+def test_the_put_process_evicts_by_last_access_and_reports_what_it_evicted(tmp_path: Path, slab) -> None:
+    """It evicts the least recently used, a read not yet written to the index included (the
+    writer sends it the buffered ticks), and the store hears of every chunk it evicted."""
+    with DiskStore(tmp_path / "probe", budget_bytes=1 << 30) as probe:  # each value's frame size
+        probe.put_many([(k(i), value(i), "bfloat16") for i in range(6)])
+        size = {key_: r.stored_len for key_, r in probe.iter_index()}
+    budget = sum(size[k(i)] for i in range(4)) + size[k(4)] // 2  # four fit, not five
+    evicted: list[bytes] = []
+    with DiskStore(tmp_path / "db", budget_bytes=budget, touch_flush_interval_s=3600) as s:
+        s.on_removed = evicted.extend
+        s.use_write_processes(slab, 1)
+        for i in range(4):
+            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+        assert read(s, k(0), SLOT) == value(0).tobytes()  # k(0) is now the most recently used
+        for i in (4, 5):
+            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+        stats = s.stats()
+        assert stats["process_puts"] == 6 and stats["evictions"] == len(evicted) >= 2, (stats, evicted)
+        present = s.contains_many([k(i) for i in range(6)])
+        assert present[0] and not present[1] and present[4] and present[5], present
+        assert sorted(evicted) == [k(i) for i in range(6) if not present[i]]
+        assert stats["stored_bytes"] <= budget
+
+
+def test_a_put_process_that_dies_leaves_the_puts_to_the_writer_thread(tmp_path: Path, slab) -> None:
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+        s.use_write_processes(slab, 1)
+        assert put_from_slab(s, [(k(0), 0, 0, SLOT, "bfloat16")]) == 1
+        (child,) = disk_children("put_process")
+        os.kill(child, signal.SIGKILL)
+        for i in range(1, 4):
+            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+        stats = s.stats()
+        assert stats["process_puts"] == 1 and stats["process_framed"] == 4 and stats["puts"] == 4, stats
+        for i in range(4):
+            assert read(s, k(i), SLOT) == value(i).tobytes()
+
+
+def test_a_full_map_in_the_put_process_stops_admission(tmp_path: Path, slab) -> None:
+    """As in the writer thread: counted, logged, admission closed for a while; never raised."""
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30, map_size=1 << 20, full_retry_s=3600) as s:
+        s.use_write_processes(slab, 1)
+        stored = [put_from_slab(s, [(k(i), i % 8, 0, SLOT, "uint8")]) for i in range(40)]
+        stats = s.stats()
+        assert 0 in stored and stats["full_events"] == 1 and not stats["admitting"], (stored, stats)
+        assert stats["process_puts"] == stored.index(0) + 1  # the one that did not fit was the process's
+        assert all(read(s, k(i), SLOT) == value(i % 8).tobytes() for i in range(stored.index(0)))
+
+
+def test_closing_the_store_stops_its_put_process_and_marks_the_store_clean(tmp_path: Path, slab) -> None:
+    s = DiskStore(tmp_path / "db", budget_bytes=1 << 30)
+    s.use_write_processes(slab, 1)
+    assert put_from_slab(s, [(k(0), 0, 0, SLOT, "bfloat16")]) == 1
+    s.close()
+    assert disk_children("put_process") == []
+    with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as again:
+        assert not again.unclean_shutdown  # the put process held no session of its own
+        assert read(again, k(0), SLOT) == value(0).tobytes()

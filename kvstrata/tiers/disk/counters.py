@@ -10,7 +10,7 @@ COUNTERS = (
     "full_events", "map_resized", "tick_flushes", "sync_errors", "recovery_checked",
     "recovery_dropped", "totals_recounted", "index_unreadable", "quarantined", "forged",
     "forged_dropped", "reserve_drops", "reserve_freezes", "mirrored_lookups", "mirror_rebuilds",
-    "process_framed",
+    "process_framed", "process_puts",
 )
 
 

@@ -5,9 +5,10 @@ busy Python thread").
 
 A child reads the chunk from the host slab (shared memory) and writes its frame into a slot of
 a *frame slab*, a second shared-memory slab made for the pool; only keys, places and the MAC
-cross the pipe. The store's single LMDB writer then puts the frame straight from the frame slab:
-LMDB has one writer per store, and a child committing itself would also make the writer's index
-mirror stale at every commit. A frame slot stays taken until the puts framed into it committed
+cross the pipe. The store's writer then puts the frame straight from the frame slab, in its
+thread or in the put process (``put_process.py``, started here with ``put_setup``: it maps the
+frame slab too) to which it hands runs of put transactions: LMDB has one writer at a time per
+store, and an encoder committing itself would also leave the writer's index mirror behind. A frame slot stays taken until the puts framed into it committed
 (or were dropped); callers wait for a free one, so the pool holds back as many puts as it has
 frame slots.
 """
@@ -15,6 +16,7 @@ frame slots.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import tempfile
@@ -22,11 +24,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.tiers.disk.children import POLL_S, ChildPool, ProcessesUnavailable
 from kvstrata.tiers.disk.writer import when_committed
 from kvstrata.tiers.host.slab import HostSlab
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvstrata.auth import ValueAuth
@@ -45,12 +49,14 @@ class DiskEncoders(ChildPool):
 
     def __init__(self, slab_path: str | Path, slot_bytes: int, num_slots: int, *, processes: int,
                  frame_slot_bytes: int, auth: ValueAuth | None = None, level: int = 1,
-                 mode: Mode = "auto", idle: bool = False, frames_dir: str | Path | None = None) -> None:
+                 mode: Mode = "auto", idle: bool = False, frames_dir: str | Path | None = None,
+                 put_setup: dict[str, Any] | None = None) -> None:
         if frames_dir is None:  # shared memory, as the host slab's
             frames_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, frames_path = tempfile.mkstemp(prefix="kvstrata-frames-", suffix=".slab", dir=frames_dir)
         os.close(fd)
         self.frames: HostSlab | None = None
+        self.put_pool: ChildPool | None = None  # the put process, with ``put_setup``
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         try:
             self.frames = HostSlab(frames_path, frame_slot_bytes, FRAME_SLOTS_PER_PROCESS * processes)
@@ -60,6 +66,14 @@ class DiskEncoders(ChildPool):
                      "mode": mode, "idle": idle}
             super().__init__("kvstrata.tiers.disk.encode_process", setup, processes=processes,
                              what="encode")
+            if put_setup is not None:
+                frames = {key: setup[key] for key in ("frames_path", "frame_slot_bytes", "frame_slots")}
+                try:
+                    self.put_pool = ChildPool("kvstrata.tiers.disk.put_process", {**put_setup, **frames},
+                                              processes=1, what="put")
+                except (ProcessesUnavailable, OSError) as exc:  # the writer thread puts them
+                    log.warning("kvstrata: the disk put process could not start (%s); putting in "
+                                "the writer thread", exc)
         except BaseException:
             if self.frames is not None:
                 self.frames.close()
@@ -87,12 +101,13 @@ class DiskEncoders(ChildPool):
                 break
             except queue.Empty:
                 continue
-        batch = FrameBatch(self, slot, [None] * len(items))
+        batch = FrameBatch(self, slot, [None] * len(items), [None] * len(items))
 
         def answer(i: int, outcome: tuple) -> None:
             if outcome[0] == "ok":
                 _, offset, length, mac = outcome
                 batch.framed[i] = (frames.view(slot, offset, length), mac)
+                batch.places[i] = (slot, offset, length)
 
         try:
             self.run((slot, list(items)), len(items), answer)
@@ -106,6 +121,8 @@ class DiskEncoders(ChildPool):
 
     def close(self) -> None:
         """Stop the children; frames handed out stay readable until their views are gone."""
+        if self.put_pool is not None:
+            self.put_pool.close()
         super().close()
         if self.frames is not None:
             self.frames.close()
@@ -118,6 +135,7 @@ class FrameBatch:
     pool: DiskEncoders
     slot: int
     framed: list[Framed]
+    places: list[tuple[int, int, int] | None]  # (slot, offset, bytes) of each frame framed
 
     def release_after(self, puts: list[Future[bool]]) -> None:
         """Free the slot once these puts of its frames are done (committed or dropped: the

@@ -121,11 +121,13 @@ class StoreEnv:
     a cleared clean marker mean the last session ended without ``close()``); ``unclean`` is that
     verdict. ``on_map_resized`` is called after adopting a map grown by another process.
     ``mode``: a directory this creates gets it, the files it creates the same bits without
-    execute (``kvstrata.fsmode``); what exists keeps its modes.
+    execute (``kvstrata.fsmode``); what exists keeps its modes. ``session=False``: a writable
+    opener working for another that has the store open already (the put process,
+    ``put_process.py``): it neither reads nor rewrites the clean-shutdown marker.
     """
 
     def __init__(self, path: Path, *, map_size: int, create: bool, readonly: bool,
-                 mode: int = fsmode.DEFAULT_DIR_MODE) -> None:
+                 mode: int = fsmode.DEFAULT_DIR_MODE, session: bool = True) -> None:
         self.path = path
         self.readonly = readonly
         self._mode = mode
@@ -141,11 +143,11 @@ class StoreEnv:
             try:
                 self.handles = self._open_dbs()
                 self._check_format()
-                if not readonly:
+                if not readonly and session:
                     self._start_session(first)
-                    if first:  # let other openers in now that the marker has been read
-                        assert self._lock_fd is not None
-                        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+                if first:  # let other openers in now that the marker has been read
+                    assert self._lock_fd is not None
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
             except BaseException:
                 _SHARED_ENVS.release(self.env)
                 raise

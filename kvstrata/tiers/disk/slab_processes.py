@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.tiers.disk.children import ProcessesUnavailable
 from kvstrata.tiers.disk.encoders import DiskEncoders, EncodeItem, FrameBatch
@@ -50,9 +50,11 @@ class SlabProcesses:
             self.readers = DiskReaders(self.store_path, slab.path, slab.slot_bytes, slab.num_slots,
                                        processes=processes, auth=self._auth, map_size=self._map_size)
 
-    def use_encoders(self, slab: HostSlab, processes: int, *, idle: bool) -> None:
+    def use_encoders(self, slab: HostSlab, processes: int, *, idle: bool,
+                     put_rules: dict[str, Any] | None = None) -> None:
         """Frame out of ``slab`` in ``processes`` processes (0: none), at idle CPU priority if
-        ``idle``. Raises ProcessesUnavailable when they cannot start."""
+        ``idle``; with ``put_rules`` (``Writer.put_rules``) a put process too
+        (``encoders.put_pool``). Raises ProcessesUnavailable when they cannot start."""
         if self.encoders is not None and (slab is not self.write_slab or processes <= 0):
             self.encoders.close()  # started for another slab, or no longer wanted
             self.encoders = None
@@ -63,7 +65,9 @@ class SlabProcesses:
             self.encoders = DiskEncoders(
                 slab.path, slab.slot_bytes, slab.num_slots, processes=processes,
                 frame_slot_bytes=slab.slot_bytes + (64 << 10), auth=self._auth, level=self._level,
-                mode=self._codec_mode, idle=idle)
+                mode=self._codec_mode, idle=idle,
+                put_setup=None if put_rules is None else
+                {**put_rules, "store_path": str(self.store_path), "map_size": self._map_size})
 
     def read_many(self, items: Sequence[Item], answer: Callable[[int, Outcome], None]) -> int:
         """Read ``items`` into the read slab in the read processes, ``answer(i, outcome)`` for

@@ -230,17 +230,22 @@ class DiskStore:
         current (``tiers/disk/index_mirror.py``: no GIL release per key), else one short read
         transaction, ~0.5 µs per key (cursor seeks)."""
         try:
-            writer = self._writer
-            if writer is not None:
-                found = writer.index_mirror.answer(keys, self._env.last_txnid())
-                if found is not None:
-                    self._counts.bump_many(lookups=len(keys), mirrored_lookups=len(keys))
-                    return self._damage.unquarantined(keys, found)
-            self._counts.bump("lookups", len(keys))
-            return self._env.txn(lambda txn: self._probe(txn, keys), buffers=True)
+            found, mirrored = self._present(keys)
         except (StoreUnavailableError, lmdb.Error) as exc:
             self._damage.log("lookup failed", exc)
             return [False] * len(keys)
+        self._counts.bump_many(lookups=len(keys), mirrored_lookups=len(keys) if mirrored else 0)
+        return found
+
+    def _present(self, keys: Sequence[bytes]) -> tuple[list[bool], bool]:
+        """Which keys are stored (never the quarantined), and whether the index mirror said so
+        (else one read transaction said so)."""
+        writer = self._writer
+        if writer is not None:
+            found = writer.index_mirror.answer(keys, self._env.last_txnid())
+            if found is not None:
+                return self._damage.unquarantined(keys, found), True
+        return self._env.txn(lambda txn: self._probe(txn, keys), buffers=True), False
 
     def _probe(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> list[bool]:
         # A cursor seek answers presence without materialising the value.
@@ -394,11 +399,19 @@ class DiskStore:
         entries = [(key, slab.view(slot, offset, length), dtype) for key, slot, offset, length, dtype in items]
         when_committed(*self._submit_puts(entries, items), done)
 
-    def use_write_processes(self, slab: HostSlab, processes: int, *, idle: bool = False) -> None:
+    def use_write_processes(self, slab: HostSlab, processes: int, *, idle: bool = False,
+                            put_process: bool = True) -> None:
         """Frame chunks for ``put_many_from_slab_then`` in ``processes`` processes of their own,
-        each with ``slab`` mapped (``disk/encoders.py``), at idle CPU priority if ``idle``; 0
-        frames in the calling threads. Raises ProcessesUnavailable when they cannot start."""
-        self._processes.use_encoders(slab, processes, idle=idle)
+        each with ``slab`` mapped (``disk/encoders.py``), at idle CPU priority if ``idle``, and
+        put what they framed in one more (``put_process``: ``disk/writer.py``, "The put
+        process"; False: in the writer thread); 0 frames in the calling threads. Raises
+        ProcessesUnavailable when they cannot start."""
+        writer = self._writer
+        self._processes.use_encoders(slab, processes, idle=idle,
+                                     put_rules=None if writer is None else writer.put_rules())
+        if writer is not None:
+            encoders = self._processes.encoders
+            writer.use_put_process(encoders.put_pool if encoders is not None and put_process else None)
 
     @property
     def write_processes(self) -> DiskEncoders | None:
@@ -421,7 +434,9 @@ class DiskStore:
             self._counts.bump("admission_drops", len(entries))
             return 0, []
         try:
-            present = self._env.txn(lambda txn: self._probe(txn, [key for key, _, _ in entries]), buffers=True)
+            # The mirror while current: a GIL release instead of several (a put comes from a
+            # write thread the engine's own threads hold the GIL against).
+            present, _ = self._present([key for key, _, _ in entries])
         except (StoreUnavailableError, lmdb.Error):
             self._counts.bump("admission_drops", len(entries))
             return 0, []
@@ -433,17 +448,18 @@ class DiskStore:
         self._counts.bump("put_present", stored)
         batch = None if slab_items is None else self._processes.frame_many([slab_items[i] for i in todo])
         framed: list[Framed] = [None] * len(todo) if batch is None else batch.framed
+        places: list[tuple[int, int, int] | None] = [None] * len(todo) if batch is None else batch.places
         futures: list[Future[bool]] = []
         in_batch: list[Future[bool]] = []  # the puts whose frames are the batch's
         try:
-            for i, got in zip(todo, framed, strict=True):
+            for i, got, place in zip(todo, framed, places, strict=True):
                 key, data, dtype = entries[i]
                 if got is None:
                     frame: bytes | memoryview = codec.encode(data, dtype, key=key, level=self._level, mode=self._codec_mode)
                     mac = b"" if self._auth is None else self._auth.tag(key, frame)
                 else:
                     frame, mac = got
-                job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future(), mac)
+                job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future(), mac, place)
                 if not writer.submit(job):
                     self._counts.bump("admission_drops")
                     continue

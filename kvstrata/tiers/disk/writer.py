@@ -10,6 +10,17 @@ and flushed in batches (reads never write).
 
 With a reserve (``reserve_bytes``) the store also leaves that much of its file system free
 (``reserve``).
+
+The put process. Each LMDB call releases the GIL, and beside a busy Python thread (a serving
+engine's step loop) the writer thread waits up to a switch interval to get it back, several times
+a put: 0.11-0.14 GB/s at Python's default 5 ms (docs/BENCHMARKS.md, "Writes framed in
+processes"). Puts framed by the write processes (``encoders.py``) sit in their frame slab, shared
+memory: the writer thread hands whole runs of them to one process of its own
+(``put_process.py``), which runs the same transactions with the same ``Putter`` and answers once
+per run with what each committed; the writer thread then has the index mirror follow those
+commits, in order, as its own. Everything else (puts framed in the engine's threads, deletes,
+ticks, the tools' transactions) stays on the writer thread; LMDB serialises the two writers.
+When the put process fails, the writer thread puts the rest itself (the frames stay mapped).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import lmdb
@@ -29,6 +41,7 @@ import msgspec
 
 from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
+from kvstrata.tiers.disk.children import ChildPool, ProcessesUnavailable
 from kvstrata.tiers.disk.counters import Counters
 from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.index_mirror import IndexMirror
@@ -45,6 +58,9 @@ _LARGE_VALUE = 256 << 10
 _SMALL_BATCH_BYTES = 1 << 20
 _SMALL_BATCH_COUNT = 64
 _TOUCH_FLUSH_MAX = 4096  # pending access ticks that force an early flush
+# One run of transactions for the put process: at most this many, or this many frame bytes.
+_PROCESS_RUN_TXNS = 32
+_PROCESS_RUN_BYTES = 256 << 20
 
 @dataclass(slots=True)
 class PutJob:
@@ -54,6 +70,7 @@ class PutJob:
     tick: int
     future: Future[bool]
     mac: bytes = b""  # the value MAC (kvstrata.auth) of a store with an auth key
+    place: tuple[int, int, int] | None = None  # (slot, offset, bytes) of the frame in a frame slab
 
 
 @dataclass(slots=True)
@@ -149,6 +166,7 @@ class Writer:
             max_age_us=None if max_age_s is None else int(max_age_s * 1_000_000), clock_us=clock_us,
             touched=self.touched, quarantined=self.quarantined, quarantine=self.quarantine,
             on_deleted=self._forget_touches, on_recount=self._recounting, mirror=self.index_mirror)
+        self._put_pool: ChildPool | None = None  # use_put_process
         self._thread = _spawn(self._loop, "writer")
         self._syncer = _spawn(self._sync_loop, "sync")
 
@@ -170,6 +188,18 @@ class Writer:
         if not self.submit(job):
             raise StoreUnavailableError(f"store at {self.env.path} is closed")
         return job.future.result()
+
+    def use_put_process(self, pool: ChildPool | None) -> None:
+        """Hand the puts whose frames are in the write processes' frame slab (``PutJob.place``)
+        to ``pool``, a put process mapping it (module docstring); None: put them here."""
+        self._put_pool = pool
+
+    def put_rules(self) -> dict[str, Any]:
+        """What a put process needs to put as this writer does (``put_process.py``)."""
+        putter = self.putter
+        return {"budget_bytes": putter.budget_bytes, "evict_slack": putter.evict_slack,
+                "max_age_us": putter.max_age_us, "reserve_bytes": putter.reserve.reserve_bytes,
+                "idle": self._idle}
 
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the writer thread without waiting."""
@@ -205,6 +235,11 @@ class Writer:
         finally:
             added, removed = putter.added, putter.removed
             putter.start()
+        self._committed(txnid, added, removed, tracked)
+        return result
+
+    def _committed(self, txnid: int, added: list[bytes], removed: list[bytes], tracked: bool) -> None:
+        """Write transaction ``txnid`` (this thread's or the put process's) committed."""
         self._follow(txnid, added, removed, tracked)
         if removed and self.on_removed is not None:
             try:
@@ -212,7 +247,6 @@ class Writer:
             except Exception:
                 log.exception("store at %s: on_removed callback failed", self.env.path)
         self.mark_dirty()
-        return result
 
     @property
     def reserve(self) -> FsReserve:
@@ -373,8 +407,17 @@ class Writer:
     def _run_puts(self, first: PutJob) -> Any:
         """Write ``first`` (plus following small puts in the same transaction); returns a job
         taken from the queue that did not fit the batch, for the loop to run next."""
+        pool = self._put_pool
+        if first.place is not None and pool is not None and pool.available:
+            return self._run_puts_in_process(first, pool)
+        jobs, carry = self._take_batch(first, placed=False)
+        self._finish(jobs, partial(self._write_batch, jobs))
+        return carry
+
+    def _take_batch(self, first: PutJob, *, placed: bool) -> tuple[list[PutJob], Any]:
+        """``first`` and the puts that share its transaction (small ones, taken from the queue;
+        only puts in the frame slab if ``placed``), and a job taken that did not fit, or None."""
         jobs = [first]
-        carry: Any = None
         if len(first.frame) < _LARGE_VALUE:
             size = len(first.frame)
             while len(jobs) < _SMALL_BATCH_COUNT and size < _SMALL_BATCH_BYTES:
@@ -382,20 +425,73 @@ class Writer:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if not isinstance(nxt, PutJob) or len(nxt.frame) >= _LARGE_VALUE:
-                    carry = nxt
-                    break
+                if not isinstance(nxt, PutJob) or len(nxt.frame) >= _LARGE_VALUE or (placed and nxt.place is None):
+                    return jobs, nxt
                 jobs.append(nxt)
                 size += len(nxt.frame)
+        return jobs, None
+
+    def _run_puts_in_process(self, first: PutJob, pool: ChildPool) -> Any:
+        """A run of transactions of puts in the frame slab, from ``first`` on, in the put
+        process (module docstring); the job after the run, or None."""
+        txns: list[list[PutJob]] = []
+        nxt: Any = first
+        size = 0
+        while True:
+            jobs, carry = self._take_batch(nxt, placed=True)
+            txns.append(jobs)
+            size += sum(len(job.frame) for job in jobs)
+            if carry is None:
+                try:
+                    carry = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if not isinstance(carry, PutJob) or carry.place is None:
+                break
+            if len(txns) >= _PROCESS_RUN_TXNS or size >= _PROCESS_RUN_BYTES:
+                break
+            nxt, carry = carry, None
+        run = (self.touched(), self.quarantined.copy(),
+               [[(job.key, *job.place, job.tick, job.mac) for job in jobs if job.place is not None] for jobs in txns])
+        answers: list[Any] = []
         try:
-            outcomes = self._write_batch(jobs)
+            pool.run(run, 1, lambda _i, got: answers.extend(got))
+        except ProcessesUnavailable:
+            answers = []  # put here what it did not answer: a put it committed is found stored
+        for i, jobs in enumerate(txns):
+            if i < len(answers):
+                self._finish(jobs, partial(self._took_from_process, jobs, answers[i]))
+            else:
+                self._finish(jobs, partial(self._write_batch, jobs))
+        return carry
+
+    def _took_from_process(self, jobs: list[PutJob], answer: tuple[Any, ...]) -> list[PutOutcome]:
+        """Account one transaction the put process ran for ``jobs`` (``put_process.py``)."""
+        self.counts.bump("process_puts", len(jobs))
+        if answer[0] == "failed":
+            self.on_write_failure(answer[1])
+            self.counts.bump("admission_drops", len(jobs))
+            return [PutOutcome() for _ in jobs]
+        _, txnid, outcomes, added, removed, quarantined, reserve_cap = answer
+        for key, why in quarantined:
+            self.quarantine(key, why)
+        self._forget_touches(removed)
+        self.putter.reserve.cap = reserve_cap
+        self._committed(txnid, added, removed, tracked=True)
+        result = [PutOutcome(*outcome) for outcome in outcomes]
+        self._count_written(jobs, result)
+        return result
+
+    def _finish(self, jobs: list[PutJob], write: Callable[[], list[PutOutcome]]) -> None:
+        """Resolve the futures of ``jobs`` with what ``write()`` did to them."""
+        try:
+            outcomes = write()
         except Exception:  # a bug must not kill the writer and leave callers waiting forever
             log.exception("store at %s: writing %d entries failed", self.env.path, len(jobs))
             self.counts.bump("admission_drops", len(jobs))
             outcomes = [PutOutcome() for _ in jobs]
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.future.set_result(outcome.written)
-        return carry
 
     def _write_batch(self, jobs: list[PutJob]) -> list[PutOutcome]:
         written: tuple[int, rec.Totals] | None = None

@@ -293,8 +293,8 @@ def test_a_lookup_s_promotions_read_once_the_step_is_scheduled(runners, tmp_path
 @pytest.mark.parametrize("tp", [1, 2])
 def test_writes_framed_by_the_write_processes_are_served_after_a_restart(runners, tmp_path: Path, tp: int) -> None:
     """``write_processes``: the engine's writes to its disk are framed by processes of its disk
-    tier from the host slab (every shard of a chunk from its place); the restarted engine loads
-    every chunk from them, each loaded page byte-checked."""
+    tier from the host slab (every shard of a chunk from its place) and put by its put process;
+    the restarted engine loads every chunk from them, each loaded page byte-checked."""
     store = tmp_path / "persist"
     prompt = token_prompt(96)
     first = runners([G("full", 16)], store=store, tp=tp, extra={"write_processes": 2})
@@ -303,7 +303,8 @@ def test_writes_framed_by_the_write_processes_are_served_after_a_restart(runners
     first.serve(prompt, 1)
     disk = hierarchy.tiers[0]
     first.close()  # every write behind done
-    assert disk.stats()["process_framed"] == 6 * tp  # 6 chunks, one record per rank
+    framed = disk.stats()
+    assert framed["process_framed"] == framed["process_puts"] == 6 * tp  # 6 chunks, one record per rank
     second = runners([G("full", 16)], store=store, tp=tp)
     assert second.serve(prompt, 1) == 96 and second.load_errors == []
     assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["load_failures"] == 0
