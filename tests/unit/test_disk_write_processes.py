@@ -279,3 +279,40 @@ def test_closing_the_store_stops_its_put_process_and_marks_the_store_clean(tmp_p
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as again:
         assert not again.unclean_shutdown  # the put process held no session of its own
         assert read(again, k(0), SLOT) == value(0).tobytes()
+
+
+def test_the_put_process_and_the_writer_thread_interleave_and_the_index_stays_exact(tmp_path: Path, slab) -> None:
+    """Puts framed in processes (the put process) and in the callers' threads (the writer
+    thread) from several threads at once, in a store small enough to evict all the time: the
+    totals, the index mirror's answers and what each evicted chunk's report says all match the
+    store as LMDB has it, and every chunk still stored reads back as written."""
+    frame = 40 << 10  # about one compressed value
+    evicted: list[bytes] = []
+    with DiskStore(tmp_path / "db", budget_bytes=12 * frame) as s:
+        s.on_removed = evicted.extend
+        s.use_write_processes(slab, 2)
+
+        def writer(t: int) -> None:
+            for i in range(12):
+                n = 1000 * t + i
+                if (t + i) % 2:
+                    assert put_from_slab(s, [(k(n), n % 8, 0, SLOT, "bfloat16")]) == 1
+                else:
+                    assert s.put_many([(k(n), value(n % 8), "bfloat16")]) == 1
+
+        threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+        stats = s.stats()
+        assert stats["process_puts"] > 0 and stats["puts"] > stats["process_puts"], stats
+        keys = [k(1000 * t + i) for t in range(4) for i in range(12)]
+        stored = dict(s.iter_index())
+        assert stats["entries"] == len(stored) and stats["stored_bytes"] == sum(r.stored_len for r in stored.values())
+        assert stats["stored_bytes"] <= 12 * frame and stats["evictions"] == len(evicted) > 0, stats
+        assert s.contains_many(keys) == [key_ in stored for key_ in keys]
+        assert s.stats()["mirrored_lookups"] == len(keys)  # the mirror followed both writers
+        assert set(evicted) == set(keys) - set(stored)
+        for key_ in stored:
+            assert read(s, key_, SLOT) == value(int.from_bytes(key_, "big") % 8).tobytes()

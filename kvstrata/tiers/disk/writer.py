@@ -215,7 +215,6 @@ class Writer:
     def _write_txn(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False,
                    tracked: bool = True) -> T:
         txnid = -1
-
         putter = self.putter
 
         def body(txn: lmdb.Transaction) -> T:
