@@ -8,9 +8,9 @@ a *frame slab*, a second shared-memory slab made for the pool; only keys, places
 cross the pipe. The store's writer then puts the frame straight from the frame slab, in its
 thread or in the put process (``put_process.py``, started here with ``put_setup``: it maps the
 frame slab too) to which it hands runs of put transactions: LMDB has one writer at a time per
-store, and an encoder committing itself would also leave the writer's index mirror behind. A frame slot stays taken until the puts framed into it committed
-(or were dropped); callers wait for a free one, so the pool holds back as many puts as it has
-frame slots.
+store, and an encoder committing itself would also leave the writer's index mirror behind. A
+frame slot stays taken until the puts framed into it committed (or were dropped); callers wait
+for a free one, so the pool holds back as many puts as it has frame slots.
 """
 
 from __future__ import annotations

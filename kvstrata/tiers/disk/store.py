@@ -1,14 +1,15 @@
 """The disk tier: a compressed, checksummed, crash-aware LMDB store of KV chunks.
 
 ``DiskStore`` is the façade over the parts of ``kvstrata.tiers.disk``: ``env`` (opening the
-directory, transactions), ``writer`` (the writer and sync threads, eviction), ``recovery`` (the
-verification after an unclean shutdown), ``damage`` (what a read that finds damage does),
-``slab_processes`` (reads and writes in child processes over host slabs) and the record layer
-``kvstrata.tiers.records`` (what one transaction reads and writes). Reads run in the caller's thread (callers use a thread pool),
-each in its own short read transaction that decompresses straight out of the zero-copy map view;
-every write runs on the writer thread. Several processes may open the same store: LMDB
-serialises their write transactions and the running totals live in the store, so that they stay
-exact across processes.
+directory, transactions), ``writer`` (the writer and sync threads; ``putter``: puts and
+evictions), ``recovery`` (the verification after an unclean shutdown), ``damage`` (what a read
+that finds damage does), ``slab_processes`` (reads and writes in child processes over host
+slabs) and the record layer ``kvstrata.tiers.records`` (what one transaction reads and writes).
+Reads run in the caller's thread (callers use a thread pool), each in its own short read
+transaction that decompresses straight out of the zero-copy map view; every write runs on the
+writer thread (or, framed by the write processes, in the put process it hands them to).
+Several processes may open the same store: LMDB serialises their write transactions and the
+running totals live in the store, so that they stay exact across processes.
 
 Nothing the store *contains* makes a read raise: a record that is damaged, or that is another
 key's (frames are bound to their key), is a counted miss, logged, and dropped by the writer.
