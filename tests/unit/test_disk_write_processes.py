@@ -316,3 +316,24 @@ def test_the_put_process_and_the_writer_thread_interleave_and_the_index_stays_ex
         assert set(evicted) == set(keys) - set(stored)
         for key_ in stored:
             assert read(s, key_, SLOT) == value(int.from_bytes(key_, "big") % 8).tobytes()
+
+
+def test_a_put_process_that_cannot_start_leaves_the_encoders_working(tmp_path: Path, slab, caplog) -> None:
+    """Its store is not there: said in the log, and the frames are put by the writer thread."""
+    import logging
+
+    rules = {"budget_bytes": 1 << 30, "evict_slack": 0.0, "max_age_us": None, "reserve_bytes": 0, "idle": False,
+             "store_path": str(tmp_path / "no-store"), "map_size": 1 << 30}
+    with caplog.at_level(logging.WARNING, logger="kvstrata"):
+        encoders = DiskEncoders(slab.path, SLOT, 8, processes=1, frame_slot_bytes=SLOT + (64 << 10),
+                                put_setup=rules)
+    try:
+        assert encoders.put_pool is None and encoders.available
+        assert "the disk put process could not start" in caplog.text and "no-store" in caplog.text
+        assert disk_children("put_process") == [] and len(disk_children("encode_process")) == 1
+        batch = encoders.frame_many([(k(0), 0, 0, SLOT, "bfloat16")])
+        assert batch.framed[0] is not None and batch.places[0] is not None
+        batch.release_after([])
+    finally:
+        encoders.close()
+    assert disk_children("encode_process") == []

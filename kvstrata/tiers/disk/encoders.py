@@ -74,6 +74,9 @@ class DiskEncoders(ChildPool):
                 except (ProcessesUnavailable, OSError) as exc:  # the writer thread puts them
                     log.warning("kvstrata: the disk put process could not start (%s); putting in "
                                 "the writer thread", exc)
+                except BaseException:
+                    super().close()
+                    raise
         except BaseException:
             if self.frames is not None:
                 self.frames.close()
