@@ -42,6 +42,24 @@ print("bench disk", sys.argv[2], "MiB", {k: d.get(k) for k in (
     "store_MBps", "raw_write_MBps", "store_vs_raw", "load_MBps", "load_vs_raw", "compression_ratio")})
 PY
 done
+# Writes behind beside a busy Python thread on a host with cores to spare (the 2-core CPU VM runs
+# out of cores first, docs/BENCHMARKS.md "The put process"): framed in threads, in processes and
+# put by the writer thread, in processes and put by the put process.
+for codec in auto raw; do
+    PYTHONPATH=/tmp/site:$PWD timeout 300 ${PYTHON:-python3} -m benchmarks.gil_contention --parts writes \
+        --codec "$codec" > "$OUT/full/gil_writes_${codec}.json" 2> "$OUT/full/gil_writes_${codec}.err"
+    ${PYTHON:-python3} - "$OUT/full/gil_writes_${codec}.json" "$codec" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))["writes_behind"]
+except Exception as e:  # noqa: BLE001 - a summary line, never a traceback
+    print("gil writes", sys.argv[2], ": no figures:", e); sys.exit()
+for interval, row in d.items():
+    if isinstance(row, dict):
+        print("gil writes", sys.argv[2], interval, {k: (v["beside_busy_gbps"] if isinstance(v, dict) else v)
+                                                   for k, v in row.items()})
+PY
+done
 pairs=("$@"); [ ${#pairs[@]} -gt 0 ] || pairs=("32 4" "64 2" "128 2" "128 8" "256 4" "0 0")
 for pair in "${pairs[@]}"; do
     set -- $pair
