@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +54,26 @@ def read(store: DiskStore, k: bytes, n: int) -> bytes | None:
     out = bytearray(n)
     got = store.get_into(k, out)
     return None if got is None else bytes(out[:got])
+
+
+@contextlib.contextmanager
+def writer_held(store: DiskStore) -> Iterator[None]:
+    """Hold the store's writer in a transaction of its own while the body queues puts, so that
+    they share the writer's next transactions."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(txn: lmdb.Transaction, h: object) -> None:
+        holding.set()
+        assert release.wait(30)
+
+    holder = threading.Thread(target=store.write, args=(hold,))
+    holder.start()
+    assert holding.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(30)
 
 
 def helper(*args: str, **kw: object) -> subprocess.Popen[str]:
@@ -475,26 +497,14 @@ def test_a_key_twice_in_one_batch_is_stored_once(tmp_path: Path) -> None:
     """Small puts share a transaction; the second of one key finds the first (not the index as
     it was before the transaction). The writer is held in a transaction of its own until both
     puts are queued, so that they share the next one."""
-    import threading
-
     with open_store(tmp_path / "s") as store:
         assert store.put_many([(key(1), payload(1), "float16")]) == 1  # the index mirror is built
-        holding, release = threading.Event(), threading.Event()
-
-        def hold(txn, h) -> None:
-            holding.set()
-            assert release.wait(30)
-
-        holder = threading.Thread(target=store.write, args=(hold,))
-        holder.start()
-        assert holding.wait(30)
         small = payload(2)[:4096]
         done: list[int] = []
         finished = threading.Event()
-        store.put_many_then([(key(2), small, "float16"), (key(2), small, "float16")],
-                            lambda n: (done.append(n), finished.set()))
-        release.set()  # both puts are queued: the writer takes them in one transaction
-        holder.join(30)
+        with writer_held(store):  # both puts are queued: the writer takes them in one transaction
+            store.put_many_then([(key(2), small, "float16"), (key(2), small, "float16")],
+                                lambda n: (done.append(n), finished.set()))
         assert finished.wait(30) and done == [2]
         stats = store.stats()
         assert stats["entries"] == 2, stats
@@ -506,8 +516,6 @@ def test_a_key_evicted_in_a_batch_and_put_again_in_it_is_stored(tmp_path: Path) 
     stored, unless the running transaction changed that key. Here X was stored by the previous
     transaction, and the next one evicts it to make room for Y, then puts X again (queued while X
     was not stored yet): X must be written, not taken for stored."""
-    import threading
-
     small, big = 1024, 64 << 10  # codec "raw": a frame is its value plus a fixed header
     with open_store(tmp_path / "probe", codec="raw") as probe:
         probe.put_many([(key(0), rand_bytes(small, 0), "uint8")])
@@ -520,23 +528,13 @@ def test_a_key_evicted_in_a_batch_and_put_again_in_it_is_stored(tmp_path: Path) 
     x, y = (key(1), rand_bytes(big, 1), "uint8"), (key(2), rand_bytes(big, 2), "uint8")
     with open_store(tmp_path / "s", codec="raw", budget_bytes=budget) as store:
         assert store.put_many([(key(0), rand_bytes(small, 0), "uint8")]) == 1  # the mirror is built
-        holding, release = threading.Event(), threading.Event()
-
-        def hold(txn, h) -> None:
-            holding.set()
-            assert release.wait(30)
-
-        holder = threading.Thread(target=store.write, args=(hold,))
-        holder.start()
-        assert holding.wait(30)
         reports: list[int] = []
         finished = threading.Event()
-        # One transaction of 64 small puts (the writer's batch limit): X and the fillers; the
-        # next one Y, then X again.
-        store.put_many_then([x, *fillers], reports.append)
-        store.put_many_then([y, x], lambda n: (reports.append(n), finished.set()))
-        release.set()
-        holder.join(30)
+        with writer_held(store):
+            # One transaction of 64 small puts (the writer's batch limit): X and the fillers;
+            # the next one Y, then X again.
+            store.put_many_then([x, *fillers], reports.append)
+            store.put_many_then([y, x], lambda n: (reports.append(n), finished.set()))
         assert finished.wait(30) and reports == [64, 2], reports
         stats = store.stats()
         assert stats["evictions"] >= 2, stats
