@@ -46,9 +46,9 @@ def put(store_: DiskStore, n: int) -> None:
     assert store_.put_many([(k(i), value(i), "uint8") for i in range(n)]) == n
 
 
-def read_all(store_: DiskStore, items: list[tuple[bytes, int, int, int]]) -> list[tuple[int, int | None]]:
+def read_all(store_: DiskStore, slab_: HostSlab, items: list[tuple[bytes, int, int, int]]) -> list[tuple[int, int | None]]:
     got: list[tuple[int, int | None]] = []
-    store_.get_many_into_slab(items, lambda i, n: got.append((i, n)))
+    store_.get_many_into_slab(slab_, items, lambda i, n: got.append((i, n)))
     return got
 
 
@@ -68,7 +68,7 @@ def test_processes_read_the_stored_bytes_into_the_slab_and_count_as_reads(tmp_pa
         # Every chunk into another slot, one at an offset inside its slot, and one never stored.
         items = [(k(i), 3 - i, 0, SLOT) for i in range(4)] + [(k(9), 4, 0, SLOT)]
         items[1] = (k(1), 2, 4096, SLOT - 4096)  # too small a place: counted, not a crash
-        got = read_all(s, items)
+        got = read_all(s, slab, items)
         assert [i for i, _ in got] == list(range(5))  # in order
         assert [n for _, n in got] == [SLOT, None, SLOT, SLOT, None]
         for i in (0, 2, 3):
@@ -85,14 +85,14 @@ def test_damaged_and_forged_records_are_misses_and_dropped_as_in_process(tmp_pat
     corrupt_payload(tmp_path / "db", k(1))
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         s.use_read_processes(slab, 1)
-        assert [n for _, n in read_all(s, [(k(0), 0, 0, SLOT), (k(1), 1, 0, SLOT)])] == [SLOT, None]
+        assert [n for _, n in read_all(s, slab, [(k(0), 0, 0, SLOT), (k(1), 1, 0, SLOT)])] == [SLOT, None]
         assert s.stats()["corrupt"] == 1
         eventually(lambda: s.contains_many([k(1)]) == [False], "the damaged record's drop")
         assert s.contains_many([k(0)]) == [True]
     # The read processes check the MAC with the store's key (sent over their pipe).
     with DiskStore(tmp_path / "other", budget_bytes=1 << 30, auth=A) as s:
         s.use_read_processes(slab, 1)
-        assert read_all(s, [(k(0), 0, 0, SLOT)]) == [(0, None)]
+        assert read_all(s, slab, [(k(0), 0, 0, SLOT)]) == [(0, None)]
         assert s.stats()["forged"] == 1
 
 
@@ -104,7 +104,7 @@ def test_a_process_that_dies_leaves_its_reads_to_the_calling_thread(tmp_path: Pa
         assert readers is not None
         (child,) = disk_children("read_process")
         os.kill(child, signal.SIGKILL)
-        got = read_all(s, [(k(i), i, 0, SLOT) for i in range(3)])
+        got = read_all(s, slab, [(k(i), i, 0, SLOT) for i in range(3)])
         assert got == [(0, SLOT), (1, SLOT), (2, SLOT)] and not readers.available
         for i in range(3):
             assert np.array_equal(slab.slot(i), value(i))
@@ -218,3 +218,21 @@ def test_a_later_hierarchy_over_the_same_store_gets_processes_for_its_own_slab(e
     assert all(holds(h.slab, slot, x) for x, slot in zip(keys, slots, strict=True))
     h.complete_load(keys)
     assert len(disk_children("read_process")) == 1
+
+
+def test_a_read_into_another_slab_than_the_processes_map_lands_in_that_slab(tmp_path: Path, slab) -> None:
+    """Two host tiers over one store: the read processes map the first one's slab; a read into
+    the second reads in the calling thread, into the second, and leaves the first alone."""
+    other = HostSlab(tmp_path / "other-slab", SLOT, 8)
+    try:
+        with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+            put(s, 2)
+            s.use_read_processes(slab, 1)
+            before = [bytes(slab.slot(i)) for i in range(2)]
+            assert read_all(s, other, [(k(0), 1, 0, SLOT), (k(1), 0, 0, SLOT)]) == [(0, SLOT), (1, SLOT)]
+            assert np.array_equal(other.slot(1), value(0)) and np.array_equal(other.slot(0), value(1))
+            assert [bytes(slab.slot(i)) for i in range(2)] == before
+            assert read_all(s, slab, [(k(1), 0, 0, SLOT)]) == [(0, SLOT)]  # its own slab: the processes
+            assert np.array_equal(slab.slot(0), value(1))
+    finally:
+        other.close()

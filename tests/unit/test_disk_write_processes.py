@@ -50,7 +50,7 @@ def slab(tmp_path: Path):
     s.close()
 
 
-def put_from_slab(s: DiskStore, items: list[tuple[bytes, int, int, int, str]]) -> int:
+def put_from_slab(s: DiskStore, slab_: HostSlab, items: list[tuple[bytes, int, int, int, str]]) -> int:
     done = threading.Event()
     got: list[int] = []
 
@@ -58,7 +58,7 @@ def put_from_slab(s: DiskStore, items: list[tuple[bytes, int, int, int, str]]) -
         got.append(n)
         done.set()
 
-    s.put_many_from_slab_then(items, stored)
+    s.put_many_from_slab_then(slab_, items, stored)
     assert done.wait(DEADLINE_S), "the puts never committed"
     return got[0]
 
@@ -74,7 +74,7 @@ def test_processes_frame_what_the_store_reads_back_as_the_slabs_bytes(tmp_path: 
         assert s.write_processes is not None and len(disk_children("encode_process")) == 2
         # Whole slots, a shard at an offset inside a slot, bf16 and uint8 alike.
         items = [(k(0), 0, 0, SLOT, "bfloat16"), (k(1), 1, 4096, SLOT - 4096, "uint8")]
-        assert put_from_slab(s, items) == 2
+        assert put_from_slab(s, slab, items) == 2
         assert s.stats()["process_framed"] == 2
         assert read(s, k(0), SLOT) == value(0).tobytes()
         assert read(s, k(1), SLOT - 4096) == value(1)[4096:].tobytes()
@@ -83,13 +83,13 @@ def test_processes_frame_what_the_store_reads_back_as_the_slabs_bytes(tmp_path: 
             len(codec.encode(bytes(slab.view(slot, off, n)), dt, key=key_))
             for key_, slot, off, n, dt in items)
         # Stored already: counted as stored, framed by nobody.
-        assert put_from_slab(s, items) == 2 and s.stats()["process_framed"] == 2
+        assert put_from_slab(s, slab, items) == 2 and s.stats()["process_framed"] == 2
 
 
 def test_the_processes_tag_values_with_the_stores_key(tmp_path: Path, slab) -> None:
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30, auth=A) as s:
         s.use_write_processes(slab, 1)
-        assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16") for i in range(3)]) == 3
+        assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16") for i in range(3)]) == 3
         assert s.stats()["process_framed"] == 3
         assert read(s, k(2), SLOT) == value(2).tobytes()
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30, auth=B) as s:  # another key: forged
@@ -103,7 +103,7 @@ def test_a_frame_that_does_not_fit_its_frame_slot_is_framed_by_the_caller(tmp_pa
         slab.slot(i)[:] = np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         s.use_write_processes(slab, 1)
-        assert put_from_slab(s, [(k(2), 2, 0, SLOT, "uint8"), (k(3), 3, 0, SLOT, "uint8")]) == 2
+        assert put_from_slab(s, slab, [(k(2), 2, 0, SLOT, "uint8"), (k(3), 3, 0, SLOT, "uint8")]) == 2
         assert s.stats()["process_framed"] == 1
         for i in (2, 3):
             assert read(s, k(i), SLOT) == bytes(slab.view(i, 0, SLOT))
@@ -116,7 +116,7 @@ def test_frame_slots_come_back_once_their_puts_committed(tmp_path: Path, slab) -
         s.use_write_processes(slab, 1)
         calls = 3 * FRAME_SLOTS_PER_PROCESS
         for c in range(calls):
-            assert put_from_slab(s, [(k(100 + c), c % 8, 0, SLOT, "bfloat16")]) == 1
+            assert put_from_slab(s, slab, [(k(100 + c), c % 8, 0, SLOT, "bfloat16")]) == 1
         assert s.stats()["process_framed"] == calls
         encoders = s.write_processes
         assert encoders is not None
@@ -135,7 +135,7 @@ def test_a_process_that_dies_leaves_its_framing_to_the_calling_thread(tmp_path: 
         assert encoders is not None
         (child,) = disk_children("encode_process")
         os.kill(child, signal.SIGKILL)
-        assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16") for i in range(3)]) == 3
+        assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16") for i in range(3)]) == 3
         assert not encoders.available and s.stats()["process_framed"] == 0
         for i in range(3):
             assert read(s, k(i), SLOT) == value(i).tobytes()
@@ -150,7 +150,7 @@ def test_closing_the_store_stops_its_processes_and_leaves_no_frame_slab(tmp_path
     encoders = s.write_processes
     assert encoders is not None and encoders.frames is not None
     assert not os.path.exists(encoders.frames.path)  # unlinked once every process mapped it
-    put_from_slab(s, [(k(0), 0, 0, SLOT, "bfloat16")])
+    put_from_slab(s, slab, [(k(0), 0, 0, SLOT, "bfloat16")])
     s.close()
     assert disk_children("encode_process") == []
 
@@ -211,7 +211,7 @@ def test_the_put_process_puts_what_the_processes_framed(tmp_path: Path, slab) ->
         s.use_write_processes(slab, 2)
         assert len(disk_children("put_process")) == 1
         for i in range(8):
-            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+            assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
         stats = s.stats()
         assert stats["process_framed"] == 8 and stats["process_puts"] == 8 and stats["puts"] == 8, stats
         assert s.contains_many([k(i) for i in range(9)]) == [True] * 8 + [False]
@@ -233,10 +233,10 @@ def test_the_put_process_evicts_by_last_access_and_reports_what_it_evicted(tmp_p
         s.on_removed = evicted.extend
         s.use_write_processes(slab, 1)
         for i in range(4):
-            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+            assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
         assert read(s, k(0), SLOT) == value(0).tobytes()  # k(0) is now the most recently used
         for i in (4, 5):
-            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+            assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
         stats = s.stats()
         assert stats["process_puts"] == 6 and stats["evictions"] == len(evicted) >= 2, (stats, evicted)
         present = s.contains_many([k(i) for i in range(6)])
@@ -248,11 +248,11 @@ def test_the_put_process_evicts_by_last_access_and_reports_what_it_evicted(tmp_p
 def test_a_put_process_that_dies_leaves_the_puts_to_the_writer_thread(tmp_path: Path, slab) -> None:
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
         s.use_write_processes(slab, 1)
-        assert put_from_slab(s, [(k(0), 0, 0, SLOT, "bfloat16")]) == 1
+        assert put_from_slab(s, slab, [(k(0), 0, 0, SLOT, "bfloat16")]) == 1
         (child,) = disk_children("put_process")
         os.kill(child, signal.SIGKILL)
         for i in range(1, 4):
-            assert put_from_slab(s, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+            assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
         stats = s.stats()
         assert stats["process_puts"] == 1 and stats["process_framed"] == 4 and stats["puts"] == 4, stats
         for i in range(4):
@@ -263,7 +263,7 @@ def test_a_full_map_in_the_put_process_stops_admission(tmp_path: Path, slab) -> 
     """As in the writer thread: counted, logged, admission closed for a while; never raised."""
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30, map_size=1 << 20, full_retry_s=3600) as s:
         s.use_write_processes(slab, 1)
-        stored = [put_from_slab(s, [(k(i), i % 8, 0, SLOT, "uint8")]) for i in range(40)]
+        stored = [put_from_slab(s, slab, [(k(i), i % 8, 0, SLOT, "uint8")]) for i in range(40)]
         stats = s.stats()
         assert 0 in stored and stats["full_events"] == 1 and not stats["admitting"], (stored, stats)
         assert stats["process_puts"] == stored.index(0) + 1  # the one that did not fit was the process's
@@ -273,7 +273,7 @@ def test_a_full_map_in_the_put_process_stops_admission(tmp_path: Path, slab) -> 
 def test_closing_the_store_stops_its_put_process_and_marks_the_store_clean(tmp_path: Path, slab) -> None:
     s = DiskStore(tmp_path / "db", budget_bytes=1 << 30)
     s.use_write_processes(slab, 1)
-    assert put_from_slab(s, [(k(0), 0, 0, SLOT, "bfloat16")]) == 1
+    assert put_from_slab(s, slab, [(k(0), 0, 0, SLOT, "bfloat16")]) == 1
     s.close()
     assert disk_children("put_process") == []
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as again:
@@ -296,7 +296,7 @@ def test_the_put_process_and_the_writer_thread_interleave_and_the_index_stays_ex
             for i in range(12):
                 n = 1000 * t + i
                 if (t + i) % 2:
-                    assert put_from_slab(s, [(k(n), n % 8, 0, SLOT, "bfloat16")]) == 1
+                    assert put_from_slab(s, slab, [(k(n), n % 8, 0, SLOT, "bfloat16")]) == 1
                 else:
                     assert s.put_many([(k(n), value(n % 8), "bfloat16")]) == 1
 
@@ -337,3 +337,20 @@ def test_a_put_process_that_cannot_start_leaves_the_encoders_working(tmp_path: P
     finally:
         encoders.close()
     assert disk_children("encode_process") == []
+
+
+def test_a_put_from_another_slab_than_the_processes_map_is_framed_from_that_slab(tmp_path: Path, slab) -> None:
+    """Two host tiers over one store: the write processes map the first one's slab; a put from
+    the second is framed in the calling thread from the second's bytes."""
+    other = HostSlab(tmp_path / "other-slab", SLOT, 8)
+    try:
+        other.slot(0)[:] = value(7)
+        with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+            s.use_write_processes(slab, 1)
+            assert put_from_slab(s, other, [(k(0), 0, 0, SLOT, "bfloat16")]) == 1
+            assert put_from_slab(s, slab, [(k(1), 0, 0, SLOT, "bfloat16")]) == 1
+            assert s.stats()["process_framed"] == 1  # only the put from its own slab
+            assert read(s, k(0), SLOT) == value(7).tobytes()
+            assert read(s, k(1), SLOT) == value(0).tobytes()
+    finally:
+        other.close()

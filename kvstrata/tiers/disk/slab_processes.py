@@ -69,13 +69,13 @@ class SlabProcesses:
                 put_setup=None if put_rules is None else
                 {**put_rules, "store_path": str(self.store_path), "map_size": self._map_size})
 
-    def read_many(self, items: Sequence[Item], answer: Callable[[int, Outcome], None]) -> int:
-        """Read ``items`` into the read slab in the read processes, ``answer(i, outcome)`` for
-        each in order; how many were answered (all of them, or those before the processes
-        failed, or none without processes). What a dying process half wrote is read again by
-        whoever reads the rest."""
+    def read_many(self, slab: HostSlab, items: Sequence[Item], answer: Callable[[int, Outcome], None]) -> int:
+        """Read ``items`` into ``slab`` in the read processes, ``answer(i, outcome)`` for each in
+        order; how many were answered (all of them, or those before the processes failed, or
+        none: no processes, or processes that map another slab). What a dying process half wrote
+        is read again by whoever reads the rest."""
         readers = self.readers
-        if readers is None or not readers.available or not items:
+        if readers is None or not readers.available or not items or slab is not self.read_slab:
             return 0
         done = 0
 
@@ -90,11 +90,11 @@ class SlabProcesses:
             return done
         return len(items)
 
-    def frame_many(self, items: Sequence[EncodeItem]) -> FrameBatch | None:
-        """The write processes' frames of ``items`` (``DiskEncoders.frame_many``), or None when
-        there are none to frame them."""
+    def frame_many(self, slab: HostSlab, items: Sequence[EncodeItem]) -> FrameBatch | None:
+        """The write processes' frames of ``items`` of ``slab`` (``DiskEncoders.frame_many``), or
+        None when there are none to frame them (or they map another slab)."""
         encoders = self.encoders
-        if encoders is None or not encoders.available or not items:
+        if encoders is None or not encoders.available or not items or slab is not self.write_slab:
             return None
         try:
             return encoders.frame_many(items)

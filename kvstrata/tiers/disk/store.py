@@ -181,11 +181,12 @@ class DiskStore:
         except (StoreUnavailableError, lmdb.Error) as exc:
             return "error", (type(exc).__name__, str(exc))
 
-    def get_many_into_slab(self, items: Sequence[tuple[bytes, int, int, int]],
+    def get_many_into_slab(self, slab: HostSlab, items: Sequence[tuple[bytes, int, int, int]],
                            landed: Callable[[int, int | None], None]) -> None:
-        """``get_into`` of each ``(key, slot, offset, length)`` into the host slab the read
-        processes were given (:meth:`use_read_processes`), ``landed(i, bytes written or None)``
-        as each lands, in order. Without read processes, or once they fail, reads here."""
+        """``get_into`` of each ``(key, slot, offset, length)`` into ``slab``, ``landed(i, bytes
+        written or None)`` as each lands, in order: by the read processes when they were given
+        this slab (:meth:`use_read_processes`), else (none, another slab, or once they fail)
+        here."""
         sent: list[int] = []  # the items to read, by index into ``items``
         for i, (key, *_) in enumerate(items):
             if self._damage.quarantined(key):
@@ -199,12 +200,7 @@ class DiskStore:
 
         # The rest (all without processes, or past where they failed) is read here, over what a
         # dying process may have half written.
-        sent = sent[self._processes.read_many([items[i] for i in sent], answer):]
-        slab = self._processes.read_slab
-        if not sent:
-            return
-        if slab is None:
-            raise ValueError("get_many_into_slab needs use_read_processes first")
+        sent = sent[self._processes.read_many(slab, [items[i] for i in sent], answer):]
         for i in sent:
             key, slot, offset, length = items[i]
             landed(i, self.get_into(key, slab.view(slot, offset, length)))
@@ -390,15 +386,13 @@ class DiskStore:
         of a committed write (docs/BENCHMARKS.md, "A write is reported when it commits")."""
         when_committed(*self._submit_puts(entries), done)
 
-    def put_many_from_slab_then(self, items: Sequence[EncodeItem], done: Callable[[int], None]) -> None:
-        """``put_many_then`` of ``(key, slot, offset, length, dtype)`` shards of the host slab the
-        write processes were given (:meth:`use_write_processes`), framed in those processes;
-        without them, or once they fail, framed here."""
-        slab = self._processes.write_slab
-        if slab is None:
-            raise ValueError("put_many_from_slab_then needs use_write_processes first")
+    def put_many_from_slab_then(self, slab: HostSlab, items: Sequence[EncodeItem],
+                                done: Callable[[int], None]) -> None:
+        """``put_many_then`` of ``(key, slot, offset, length, dtype)`` shards of ``slab``,
+        framed in the write processes when they were given this slab
+        (:meth:`use_write_processes`), else (none, another slab, or once they fail) here."""
         entries = [(key, slab.view(slot, offset, length), dtype) for key, slot, offset, length, dtype in items]
-        when_committed(*self._submit_puts(entries, items), done)
+        when_committed(*self._submit_puts(entries, (slab, items)), done)
 
     def use_write_processes(self, slab: HostSlab, processes: int, *, idle: bool = False,
                             put_process: bool = True) -> None:
@@ -420,10 +414,10 @@ class DiskStore:
         return self._processes.encoders
 
     def _submit_puts(self, entries: Sequence[tuple[bytes, Buffer, str]],
-                     slab_items: Sequence[EncodeItem] | None = None) -> tuple[int, list[Future[bool]]]:
+                     slab_items: tuple[HostSlab, Sequence[EncodeItem]] | None = None) -> tuple[int, list[Future[bool]]]:
         """Frame the entries not stored yet and queue them for the writer: (entries already
-        stored, the queued puts' futures). With ``slab_items`` (the same entries as places in
-        the write processes' slab) the write processes frame them, as far as they can."""
+        stored, the queued puts' futures). With ``slab_items`` (the same entries as places in a
+        slab) the write processes frame them if they map that slab, as far as they can."""
         if not entries:
             return 0, []
         for key, data, dtype in entries:  # ValueError for bad input before any work
@@ -447,7 +441,10 @@ class DiskStore:
             if here:
                 self._touch([entries[i][0]])
         self._counts.bump("put_present", stored)
-        batch = None if slab_items is None else self._processes.frame_many([slab_items[i] for i in todo])
+        batch = None
+        if slab_items is not None:
+            slab, places_in_slab = slab_items
+            batch = self._processes.frame_many(slab, [places_in_slab[i] for i in todo])
         framed: list[Framed] = [None] * len(todo) if batch is None else batch.framed
         places: list[tuple[int, int, int] | None] = [None] * len(todo) if batch is None else batch.places
         futures: list[Future[bool]] = []

@@ -126,7 +126,7 @@ class Promoter:
 
         link = batch[0][2]
         try:
-            link.tier.get_many_into_slab(items, read)  # type: ignore[attr-defined]  # a disk tier: slab_reads
+            link.tier.get_many_into_slab(self.s.slab, items, read)  # type: ignore[attr-defined]  # a disk tier: slab_reads
         except Exception:
             logger.exception("kvstrata: %s read of %d chunk(s) failed", link.name, len(batch) - landed)
         for key, slot, link in batch[landed:]:  # not read: failed

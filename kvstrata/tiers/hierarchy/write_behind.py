@@ -310,7 +310,7 @@ class WriteBehind:
         try:
             if link.slab_writes and not urgent:  # (an urgent write is framed in its own thread at once)
                 items = [(ns + key, slot, r * s.shard_bytes, shard, dtype) for r, ns in enumerate(s.namespaces)]
-                link.tier.put_many_from_slab_then(items, stored)  # type: ignore[attr-defined]  # a disk tier
+                link.tier.put_many_from_slab_then(s.slab, items, stored)  # type: ignore[attr-defined]  # a disk tier
             else:
                 entries = [(ns + key, view, dtype)
                            for ns, view in zip(s.namespaces, s.shard_views(slot, group), strict=True)]
