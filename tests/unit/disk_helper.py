@@ -5,16 +5,21 @@ Modes (each prints one line per step so that the parent can follow; JSON at the 
                                                  put entries FIRST.. one per call
   reader DIR FIRST COUNT [--timeout S]          read-only: wait until all are readable, verify
   fsize DIR COUNT LIMIT                          put COUNT 1 MiB entries under RLIMIT_FSIZE=LIMIT
+
+Also what the disk tests share in-process: ``key``, ``payload``, ``writer_held``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +39,26 @@ def payload(i: int, nbytes: int = 256 << 10) -> bytes:
     """Deterministic fp16 "KV" for entry i (compressible, so the codec path is exercised)."""
     rng = np.random.default_rng(i)
     return (rng.standard_normal(nbytes // 2) * (1 + i % 7)).astype(np.float16).tobytes()
+
+
+@contextlib.contextmanager
+def writer_held(store: DiskStore) -> Iterator[None]:
+    """Hold the store's writer in a transaction of its own while the body queues puts, so that
+    they share the writer's next transactions."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(txn: object, h: object) -> None:
+        holding.set()
+        assert release.wait(30)
+
+    holder = threading.Thread(target=store.write, args=(hold,))
+    holder.start()
+    assert holding.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(30)
 
 
 def writer(args: argparse.Namespace) -> None:

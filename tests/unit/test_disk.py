@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -35,7 +34,7 @@ from kvstrata.tiers.retention import select_lru_victims
 
 HELPER = Path(__file__).with_name("disk_helper.py")
 sys.path.insert(0, str(HELPER.parent))
-from disk_helper import key, payload  # noqa: E402
+from disk_helper import key, payload, writer_held  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -54,26 +53,6 @@ def read(store: DiskStore, k: bytes, n: int) -> bytes | None:
     out = bytearray(n)
     got = store.get_into(k, out)
     return None if got is None else bytes(out[:got])
-
-
-@contextlib.contextmanager
-def writer_held(store: DiskStore) -> Iterator[None]:
-    """Hold the store's writer in a transaction of its own while the body queues puts, so that
-    they share the writer's next transactions."""
-    holding, release = threading.Event(), threading.Event()
-
-    def hold(txn: lmdb.Transaction, h: object) -> None:
-        holding.set()
-        assert release.wait(30)
-
-    holder = threading.Thread(target=store.write, args=(hold,))
-    holder.start()
-    assert holding.wait(30)
-    try:
-        yield
-    finally:
-        release.set()
-        holder.join(30)
 
 
 def helper(*args: str, **kw: object) -> subprocess.Popen[str]:

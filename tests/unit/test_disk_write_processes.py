@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hierarchy_helpers import DEADLINE_S, NS, disk_children, holds, key, on_disk, store
+from hierarchy_helpers import DEADLINE_S, NS, disk_children, eventually, holds, key, on_disk, store
 
 from kvstrata.auth import ValueAuth
 from kvstrata.tiers import codec
@@ -352,5 +352,51 @@ def test_a_put_from_another_slab_than_the_processes_map_is_framed_from_that_slab
             assert s.stats()["process_framed"] == 1  # only the put from its own slab
             assert read(s, k(0), SLOT) == value(7).tobytes()
             assert read(s, k(1), SLOT) == value(0).tobytes()
+    finally:
+        other.close()
+
+
+def test_puts_placed_for_a_put_process_since_replaced_are_put_from_their_own_frames(tmp_path: Path, slab) -> None:
+    """Frames queued in the first write processes' frame slab when the processes start again for
+    another slab (and another frame slab, and another put process): the writer thread puts them
+    from their own frames, never the new put process from its frame slab at the same places. The
+    writer thread is held in an ``on_removed`` report (after a commit: LMDB's lock is free, so
+    the new put process can open the store)."""
+    other = HostSlab(tmp_path / "other-slab", SLOT, 8)
+    try:
+        other.slot(0)[:], other.slot(1)[:] = value(6), value(0)
+        with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:
+            s.use_write_processes(slab, 1)
+            assert put_from_slab(s, slab, [(k(9), 1, 0, SLOT, "bfloat16")]) == 1
+            holding, release = threading.Event(), threading.Event()
+
+            def hold(_removed: list[bytes]) -> None:
+                holding.set()
+                assert release.wait(DEADLINE_S)
+
+            s.on_removed = hold
+            deleter = threading.Thread(target=s.delete_many, args=([k(9)],))
+            deleter.start()
+            assert holding.wait(DEADLINE_S)
+            done: list[int] = []
+            s.put_many_from_slab_then(slab, [(k(0), 0, 0, SLOT, "bfloat16")], done.append)  # framed, queued
+            s.use_write_processes(other, 1)  # new encoders, frame slab and put process
+            # Two puts from the new slab: both frame slots of the new frame slab hold frames, the
+            # second at the place the first put's frame has in the old one, and as long (the
+            # same bytes under another key).
+            s.put_many_from_slab_then(other, [(k(1), 0, 0, SLOT, "bfloat16")], done.append)
+            s.put_many_from_slab_then(other, [(k(2), 1, 0, SLOT, "bfloat16")], done.append)
+            release.set()
+            deleter.join(DEADLINE_S)
+            eventually(lambda: len(done) == 3, "the puts committed")
+            assert done == [1, 1, 1]
+            assert read(s, k(0), SLOT) == value(0).tobytes()
+            assert read(s, k(1), SLOT) == value(6).tobytes()
+            assert read(s, k(2), SLOT) == value(0).tobytes()
+            stats = s.stats()
+            assert stats["process_framed"] == 4 and stats["corrupt"] == 0, stats
+            # The first put's, and (unless they shared the writer thread's transaction with the
+            # put placed for the old process) the new process's.
+            assert 1 <= stats["process_puts"] <= 3, stats
     finally:
         other.close()

@@ -123,7 +123,9 @@ class StoreEnv:
     ``mode``: a directory this creates gets it, the files it creates the same bits without
     execute (``kvstrata.fsmode``); what exists keeps its modes. ``session=False``: a writable
     opener working for another that has the store open already (the put process,
-    ``put_process.py``): it neither reads nor rewrites the clean-shutdown marker.
+    ``put_process.py``): it neither reads nor rewrites the clean-shutdown marker. Any writable
+    opener waits for a write transaction running meanwhile to end (py-lmdb opens a writable
+    environment's database handles in a write transaction).
     """
 
     def __init__(self, path: Path, *, map_size: int, create: bool, readonly: bool,

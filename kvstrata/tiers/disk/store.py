@@ -457,7 +457,8 @@ class DiskStore:
                     mac = b"" if self._auth is None else self._auth.tag(key, frame)
                 else:
                     frame, mac = got
-                job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future(), mac, place)
+                job = PutJob(key, frame, codec.frame_info(frame), self._next_tick(), Future(), mac, place,
+                             None if place is None or batch is None else batch.pool.put_pool)
                 if not writer.submit(job):
                     self._counts.bump("admission_drops")
                     continue

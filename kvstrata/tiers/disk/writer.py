@@ -71,6 +71,7 @@ class PutJob:
     future: Future[bool]
     mac: bytes = b""  # the value MAC (kvstrata.auth) of a store with an auth key
     place: tuple[int, int, int] | None = None  # (slot, offset, bytes) of the frame in a frame slab
+    put_pool: ChildPool | None = None  # the put process that maps that frame slab
 
 
 @dataclass(slots=True)
@@ -190,8 +191,9 @@ class Writer:
         return job.future.result()
 
     def use_put_process(self, pool: ChildPool | None) -> None:
-        """Hand the puts whose frames are in the write processes' frame slab (``PutJob.place``)
-        to ``pool``, a put process mapping it (module docstring); None: put them here."""
+        """Hand the puts whose frames are in the frame slab ``pool`` maps (``PutJob.place`` and
+        ``put_pool``) to ``pool``, a put process (module docstring); None: put them here. Puts
+        placed for another put process (write processes started again) are put here."""
         self._put_pool = pool
 
     def put_rules(self) -> dict[str, Any]:
@@ -407,15 +409,16 @@ class Writer:
         """Write ``first`` (plus following small puts in the same transaction); returns a job
         taken from the queue that did not fit the batch, for the loop to run next."""
         pool = self._put_pool
-        if first.place is not None and pool is not None and pool.available:
+        if first.place is not None and pool is not None and first.put_pool is pool and pool.available:
             return self._run_puts_in_process(first, pool)
-        jobs, carry = self._take_batch(first, placed=False)
+        jobs, carry = self._take_batch(first, None)
         self._finish(jobs, partial(self._write_batch, jobs))
         return carry
 
-    def _take_batch(self, first: PutJob, *, placed: bool) -> tuple[list[PutJob], Any]:
+    def _take_batch(self, first: PutJob, pool: ChildPool | None) -> tuple[list[PutJob], Any]:
         """``first`` and the puts that share its transaction (small ones, taken from the queue;
-        only puts in the frame slab if ``placed``), and a job taken that did not fit, or None."""
+        with ``pool``, only puts placed for that put process), and a job taken that did not fit,
+        or None."""
         jobs = [first]
         if len(first.frame) < _LARGE_VALUE:
             size = len(first.frame)
@@ -424,7 +427,7 @@ class Writer:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if not isinstance(nxt, PutJob) or len(nxt.frame) >= _LARGE_VALUE or (placed and nxt.place is None):
+                if not isinstance(nxt, PutJob) or len(nxt.frame) >= _LARGE_VALUE or not _for(nxt, pool):
                     return jobs, nxt
                 jobs.append(nxt)
                 size += len(nxt.frame)
@@ -437,7 +440,7 @@ class Writer:
         nxt: Any = first
         size = 0
         while True:
-            jobs, carry = self._take_batch(nxt, placed=True)
+            jobs, carry = self._take_batch(nxt, pool)
             txns.append(jobs)
             size += sum(len(job.frame) for job in jobs)
             if carry is None:
@@ -445,7 +448,7 @@ class Writer:
                     carry = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if not isinstance(carry, PutJob) or carry.place is None:
+            if not isinstance(carry, PutJob) or not _for(carry, pool):
                 break
             if len(txns) >= _PROCESS_RUN_TXNS or size >= _PROCESS_RUN_BYTES:
                 break
@@ -575,6 +578,11 @@ class Writer:
             self.sync()
         except lmdb.Error as exc:
             log.warning("store at %s: final env.sync failed: %s", self.env.path, exc)
+
+
+def _for(job: PutJob, pool: ChildPool | None) -> bool:
+    """Whether ``job`` may share a transaction run by ``pool`` (None: the writer thread's)."""
+    return pool is None or (job.place is not None and job.put_pool is pool)
 
 
 def _run_call(job: _CallJob) -> None:
