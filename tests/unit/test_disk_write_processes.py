@@ -1,9 +1,11 @@
 """Disk writes framed in processes of their own (``write_processes``, ``tiers/disk/encoders.py``):
-child processes frame chunks of a real host slab into a frame slab and the store's own LMDB
-writer puts them from there. What is stored reads back as the slab's bytes, under the store's
-MAC key; a frame that does not fit its frame slot, a child that dies, a pool that stops: the
-calling thread frames the rest; frame slots come back once their puts committed; closing
-leaves no process and no file."""
+child processes frame chunks of a real host slab into a frame slab and the store's put process
+(or its writer thread) puts them from there. What is stored reads back as the slab's bytes, under
+the store's MAC key; a frame that does not fit its frame slot, a child that dies, a pool that
+stops: the calling thread frames the rest; frame slots come back once their puts committed;
+closing leaves no process and no file. The put process: the index mirror follows its commits,
+it evicts by last access and reports it, a full map, a kill (also mid-transaction), a start that
+fails, a replaced put process: the writer thread puts the rest, and the index stays exact."""
 
 from __future__ import annotations
 
