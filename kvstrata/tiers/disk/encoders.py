@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.tiers.disk.children import POLL_S, ChildPool, ProcessesUnavailable
-from kvstrata.tiers.disk.writer import when_committed
+from kvstrata.tiers.disk.write_jobs import when_committed
 from kvstrata.tiers.host.slab import HostSlab
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ def start(setup: dict[str, Any]) -> tuple[Handler, Callable[[], None]]:
     from kvstrata.tiers.disk.env import StoreEnv
     from kvstrata.tiers.disk.putter import Putter
     from kvstrata.tiers.disk.reserve import FsReserve
-    from kvstrata.tiers.disk.writer import now_us
+    from kvstrata.tiers.disk.write_jobs import now_us
     from kvstrata.tiers.host.slab import HostSlab
     from kvstrata.tiers.priority import lower_this_thread, name_this_thread
 

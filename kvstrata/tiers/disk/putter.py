@@ -23,7 +23,7 @@ from kvstrata.tiers.retention import select_victims
 
 
 class Put(Protocol):
-    """What a put transaction needs of one put (``writer.PutJob``)."""
+    """What a put transaction needs of one put (``write_jobs.PutJob``)."""
 
     key: bytes
     frame: bytes | memoryview

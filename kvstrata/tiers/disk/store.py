@@ -41,7 +41,8 @@ from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.readers import DiskReaders, Outcome
 from kvstrata.tiers.disk.recovery import Recovery
 from kvstrata.tiers.disk.slab_processes import SlabProcesses
-from kvstrata.tiers.disk.writer import PutJob, Writer, now_us, when_committed
+from kvstrata.tiers.disk.write_jobs import PutJob, now_us, when_committed
+from kvstrata.tiers.disk.writer import Writer
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

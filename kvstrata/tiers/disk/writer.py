@@ -1,12 +1,12 @@
 """The store's writer: one thread for every write (puts, deletes, access ticks, evictions) and one
-that makes them durable (``env.sync()``).
+that makes them durable (``syncer``).
 
 Puts come compressed; the writer batches small ones into one transaction and gives large ones a
 transaction each (batching large values makes LMDB malloc and fault dirty overflow pages per
 transaction, docs/STORAGE.md). What one transaction of puts does, evictions included, is the
 ``putter``'s. A full map or disk stops
 admission for a while, logged once; reads go on. Access ticks are buffered in memory by reads
-and flushed in batches (reads never write).
+and flushed in batches (``ticks``: reads never write).
 
 With a reserve (``reserve_bytes``) the store also leaves that much of its file system free
 (``reserve``).
@@ -32,14 +32,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
 import lmdb
-import msgspec
 
-from kvstrata.tiers import codec
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.disk.children import ChildPool, ProcessesUnavailable
 from kvstrata.tiers.disk.counters import Counters
@@ -47,6 +44,9 @@ from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.index_mirror import IndexMirror
 from kvstrata.tiers.disk.putter import PutOutcome, Putter
 from kvstrata.tiers.disk.reserve import FsReserve
+from kvstrata.tiers.disk.syncer import Syncer
+from kvstrata.tiers.disk.ticks import AccessTicks, write_ticks
+from kvstrata.tiers.disk.write_jobs import CallJob, PutJob, now_us
 from kvstrata.tiers.priority import lower_this_thread, name_this_thread
 
 log = logging.getLogger(__name__)
@@ -57,55 +57,11 @@ T = TypeVar("T")
 _LARGE_VALUE = 256 << 10
 _SMALL_BATCH_BYTES = 1 << 20
 _SMALL_BATCH_COUNT = 64
-_TOUCH_FLUSH_MAX = 4096  # pending access ticks that force an early flush
 # One run of transactions for the put process: at most this many, or this many frame bytes.
 _PROCESS_RUN_TXNS = 32
 _PROCESS_RUN_BYTES = 256 << 20
 
-@dataclass(slots=True)
-class PutJob:
-    key: bytes
-    frame: bytes | memoryview  # a memoryview into a frame slab: disk/encoders.py
-    info: codec.FrameInfo
-    tick: int
-    future: Future[bool]
-    mac: bytes = b""  # the value MAC (kvstrata.auth) of a store with an auth key
-    place: tuple[int, int, int] | None = None  # (slot, offset, bytes) of the frame in a frame slab
-    put_pool: ChildPool | None = None  # the put process that maps that frame slab
-
-
-@dataclass(slots=True)
-class _CallJob:
-    fn: Callable[[], Any]
-    future: Future[Any]
-
-
 _STOP = object()
-
-
-def when_committed(present: int, futures: list[Future[bool]], done: Callable[[int], None]) -> None:
-    """``done(present + the puts among futures that were written)`` once every put's future is
-    done (committed or dropped): on the thread that finishes the last, here when there is none."""
-    if not futures:
-        done(present)
-        return
-    lock = threading.Lock()
-    left = len(futures)
-
-    def one_done(_fut: Future[bool]) -> None:
-        nonlocal left
-        with lock:
-            left -= 1
-            if left:
-                return
-        done(present + sum(1 for fut in futures if fut.result()))
-
-    for fut in futures:
-        fut.add_done_callback(one_done)
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
 
 
 class Writer:
@@ -133,19 +89,13 @@ class Writer:
         self.h = env.handles
         self.counts = counters
         self.budget_bytes = budget_bytes
-        self._sync_interval = sync_interval_s
-        self._sync_bytes = sync_bytes
         self._touch_interval = touch_flush_interval_s
         self._full_retry_s = full_retry_s
         self.admitting = True
         self._retry_at = 0.0
         self._full_logged = False
-        self._dirty = threading.Event()
-        self._dirty_bytes = 0
-        self._sync_wake = threading.Event()
         self._stop = threading.Event()
-        self._touched: dict[bytes, int] = {}
-        self._touch_lock = threading.Lock()
+        self.ticks = AccessTicks(lambda: self.call_soon(self.flush_touches))
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._submit_lock = threading.Lock()
         self.open = True
@@ -169,11 +119,12 @@ class Writer:
             on_deleted=self._forget_touches, on_recount=self._recounting, mirror=self.index_mirror)
         self._put_pool: ChildPool | None = None  # use_put_process
         self._thread = _spawn(self._loop, "writer")
-        self._syncer = _spawn(self._sync_loop, "sync")
+        self.syncer = Syncer(env, counters, interval_s=sync_interval_s, sync_bytes=sync_bytes, idle=idle,
+                             stop=self._stop, spawn=_spawn)
 
     # ---- jobs ---------------------------------------------------------------------------------
 
-    def submit(self, job: PutJob | _CallJob) -> bool:
+    def submit(self, job: PutJob | CallJob) -> bool:
         # Under the lock that queues _STOP: no job can land behind it and wait forever.
         with self._submit_lock:
             if not self.open:
@@ -185,7 +136,7 @@ class Writer:
         """Run ``fn`` on the writer thread and wait for its result."""
         if threading.current_thread() is self._thread:
             return fn()
-        job: _CallJob = _CallJob(fn, Future())
+        job: CallJob = CallJob(fn, Future())
         if not self.submit(job):
             raise StoreUnavailableError(f"store at {self.env.path} is closed")
         return job.future.result()
@@ -205,7 +156,7 @@ class Writer:
 
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the writer thread without waiting."""
-        self.submit(_CallJob(fn, Future()))
+        self.submit(CallJob(fn, Future()))
 
     def write(self, fn: Callable[[lmdb.Transaction[Any]], T], *, buffers: bool = False,
               tracked: bool = True) -> T:
@@ -247,7 +198,7 @@ class Writer:
                 self.on_removed(removed)
             except Exception:
                 log.exception("store at %s: on_removed callback failed", self.env.path)
-        self.mark_dirty()
+        self.syncer.mark_dirty()
 
     @property
     def reserve(self) -> FsReserve:
@@ -259,9 +210,7 @@ class Writer:
         return self.putter.delete(txn, totals, keys)
 
     def _forget_touches(self, keys: list[bytes]) -> None:
-        with self._touch_lock:
-            for key in keys:
-                self._touched.pop(key, None)
+        self.ticks.forget(keys)
 
     def _recounting(self) -> None:
         log.warning("store at %s: the totals record is unreadable; recounting it", self.env.path)
@@ -304,34 +253,19 @@ class Writer:
     # ---- access ticks -------------------------------------------------------------------------
 
     def touch(self, keys: Iterable[bytes], tick: int) -> None:
-        with self._touch_lock:
-            touched = self._touched
-            for key in keys:
-                touched[key] = tick
-            many = len(touched) >= _TOUCH_FLUSH_MAX
-        if many:
-            self.call_soon(self.flush_touches)
+        self.ticks.touch(keys, tick)
 
     def touched(self) -> dict[bytes, int]:
         """Buffered access ticks not written yet."""
-        with self._touch_lock:
-            return dict(self._touched)
+        return self.ticks.snapshot()
 
     def flush_touches(self) -> None:
         """Write the buffered last-access ticks (writer thread)."""
-        with self._touch_lock:
-            if not self._touched:
-                return
-            pending, self._touched = self._touched, {}
-
-        def body(txn: lmdb.Transaction) -> None:
-            for key, tick in pending.items():
-                found = rec.decode_index(txn.get(key, db=self.h.index))
-                if found is not None and tick > found.tick:
-                    txn.put(key, rec.encode_index(msgspec.structs.replace(found, tick=tick)), db=self.h.index)
-
+        pending = self.ticks.take()
+        if not pending:
+            return
         try:
-            self._write_txn(body)
+            self._write_txn(lambda txn: write_ticks(txn, self.h, pending))
         except (lmdb.Error, OSError) as exc:
             self.on_write_failure(exc)  # ticks are advisory: losing them only blurs LRU order
             return
@@ -359,7 +293,7 @@ class Writer:
                 return
             if isinstance(job, PutJob):
                 carry = self._run_puts(job)
-            elif isinstance(job, _CallJob):
+            elif isinstance(job, CallJob):
                 _run_call(job)
             if time.monotonic() - last_flush >= self._touch_interval:
                 last_flush = time.monotonic()
@@ -402,7 +336,7 @@ class Writer:
                 return
             if isinstance(job, PutJob):
                 job.future.set_result(False)
-            elif isinstance(job, _CallJob):
+            elif isinstance(job, CallJob):
                 job.future.set_exception(StoreUnavailableError(f"store at {self.env.path} is closed"))
 
     def _run_puts(self, first: PutJob) -> Any:
@@ -515,7 +449,7 @@ class Writer:
         return outcomes
 
     def _count_written(self, jobs: list[PutJob], outcomes: list[PutOutcome]) -> None:
-        self._dirty_bytes += sum(len(job.frame) for job in jobs)
+        self.syncer.wrote(sum(len(job.frame) for job in jobs))
         for outcome in outcomes:
             self.counts.bump_many(evictions=outcome.evicted, evicted_bytes=outcome.evicted_bytes,
                                   reserve_freezes=int(outcome.froze))
@@ -524,34 +458,11 @@ class Writer:
             elif outcome.reason:
                 self.counts.bump(outcome.reason)
 
-    # ---- durability ---------------------------------------------------------------------------
-
-    def mark_dirty(self) -> None:
-        self._dirty.set()
-        if self._dirty_bytes >= self._sync_bytes:  # approximate: it only paces the syncer
-            self._sync_wake.set()
+    # ---- durability and stopping ----------------------------------------------------------------
 
     def sync(self) -> None:
-        self._dirty.clear()
-        self._dirty_bytes = 0
-        self.env.sync()
-
-    def _sync_loop(self) -> None:
-        # A thread of its own so that flushing overlaps the writer's next puts. It runs every
-        # sync_interval_s, and early once sync_bytes are dirty.
-        if self._idle:
-            lower_this_thread()
-        while True:
-            self._sync_wake.wait(self._sync_interval)
-            self._sync_wake.clear()
-            if self._stop.is_set():
-                return
-            if self._dirty.is_set():
-                try:
-                    self.sync()
-                except lmdb.Error as exc:
-                    self.counts.bump("sync_errors")
-                    log.warning("store at %s: env.sync failed: %s", self.env.path, exc)
+        """Make everything committed so far durable (``syncer``), in this thread."""
+        self.syncer.sync()
 
     @property
     def stopping(self) -> bool:
@@ -560,7 +471,7 @@ class Writer:
     def request_stop(self) -> None:
         """Tell the background work (the syncer, a verification) to stop; writes still run."""
         self._stop.set()
-        self._sync_wake.set()
+        self.syncer.wake()
 
     def stop(self) -> None:
         """Flush the ticks, finish what is queued (failing what comes after), stop both threads."""
@@ -573,7 +484,7 @@ class Writer:
             self.open = False
             self._queue.put(_STOP)
         self._thread.join()
-        self._syncer.join()
+        self.syncer.join()
         try:
             self.sync()
         except lmdb.Error as exc:
@@ -585,7 +496,7 @@ def _for(job: PutJob, pool: ChildPool | None) -> bool:
     return pool is None or (job.place is not None and job.put_pool is pool)
 
 
-def _run_call(job: _CallJob) -> None:
+def _run_call(job: CallJob) -> None:
     try:
         job.future.set_result(job.fn())
     except BaseException as exc:  # handed to the waiting caller

@@ -1,0 +1,60 @@
+"""A store's last-access ticks, buffered in memory: reads never write; the writer writes them into
+the index records in batches (``writer.flush_touches``), and eviction orders by the newer of the
+stored tick and the buffered one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+import lmdb
+import msgspec
+
+from kvstrata.tiers import records as rec
+
+FLUSH_AT = 4096  # buffered ticks that call for an early flush
+
+
+class AccessTicks:
+    """The buffered ticks of one store; ``many()`` is called (outside the lock) once
+    ``FLUSH_AT`` are buffered. Thread-safe."""
+
+    def __init__(self, many: Callable[[], None]) -> None:
+        self._many = many
+        self._lock = threading.Lock()
+        self._ticks: dict[bytes, int] = {}
+
+    def touch(self, keys: Iterable[bytes], tick: int) -> None:
+        with self._lock:
+            ticks = self._ticks
+            for key in keys:
+                ticks[key] = tick
+            many = len(ticks) >= FLUSH_AT
+        if many:
+            self._many()
+
+    def snapshot(self) -> dict[bytes, int]:
+        """The ticks not written yet."""
+        with self._lock:
+            return dict(self._ticks)
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """These records are gone: their ticks with them."""
+        with self._lock:
+            for key in keys:
+                self._ticks.pop(key, None)
+
+    def take(self) -> dict[bytes, int]:
+        """The ticks not written yet, no longer buffered (the caller writes them)."""
+        with self._lock:
+            taken, self._ticks = self._ticks, {}
+        return taken
+
+
+def write_ticks(txn: lmdb.Transaction, h: rec.Handles, ticks: dict[bytes, int]) -> None:
+    """Write ``ticks`` into the index records they are newer than (write transaction ``txn``)."""
+    for key, tick in ticks.items():
+        found = rec.decode_index(txn.get(key, db=h.index))
+        if found is not None and tick > found.tick:
+            txn.put(key, rec.encode_index(msgspec.structs.replace(found, tick=tick)), db=h.index)
