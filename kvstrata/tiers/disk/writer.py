@@ -118,9 +118,10 @@ class Writer:
             touched=self.touched, quarantined=self.quarantined, quarantine=self.quarantine,
             on_deleted=self._forget_touches, on_recount=self._recounting, mirror=self.index_mirror)
         self._put_pool: ChildPool | None = None  # use_put_process
-        self._thread = _spawn(self._loop, "writer")
+        # The sync thread before the writer thread, whose commits tell it.
         self.syncer = Syncer(env, counters, interval_s=sync_interval_s, sync_bytes=sync_bytes, idle=idle,
                              stop=self._stop, spawn=_spawn)
+        self._thread = _spawn(self._loop, "writer")
 
     # ---- jobs ---------------------------------------------------------------------------------
 
