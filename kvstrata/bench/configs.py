@@ -51,6 +51,12 @@ class BaseSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
     say: Callable[[str], None] = lambda msg: None
 
+    def strata(self, store: Path | None, **more: Any) -> dict[str, Any]:
+        """kvstrata's ``kv_transfer_config``: ``--host-bytes``, then ``--kvstrata-config`` (which
+        may set kvstrata's own ``host_bytes``; the peers keep ``--host-bytes``), then ``more``."""
+        return strata_transfer_config(store, **{"host_bytes": self.host_bytes,
+                                                **self.kvstrata_options, **more})
+
     def spec(self, kv: dict[str, Any] | None, env: dict[str, str] | None = None,
              python: str | None = None) -> ServerSpec:
         spec = ServerSpec(model=self.model, kv_cache_bytes=self.kv_cache_bytes,
@@ -97,13 +103,9 @@ def build_setup(name: str, base: BaseSettings, work: Path) -> Setup:
         return Setup([base.spec(kv, env)])
     if name == "kvstrata":
         store = work / "store"
-        kv = strata_transfer_config(store, host_bytes=base.host_bytes, **base.kvstrata_options)
-        return Setup([base.spec(kv)], stores=[store])
+        return Setup([base.spec(base.strata(store))], stores=[store])
     if name == "kvstrata_host_only":
-        store = work / "store"
-        kv = strata_transfer_config(store, host_bytes=base.host_bytes,
-                                    **{**base.kvstrata_options, "disk": False})
-        return Setup([base.spec(kv)])
+        return Setup([base.spec(base.strata(work / "store", disk=False))])
     if name in ("two_replicas", "two_replicas_redis"):
         setup = Setup([])
         remote: dict[str, Any] = {}
@@ -122,8 +124,7 @@ def build_setup(name: str, base: BaseSettings, work: Path) -> Setup:
             remote = {"remote_url": redis.url, "remote_timeout_s": 1.0}
         for i in range(2):
             store = work / f"store_{i}"
-            setup.specs.append(base.spec(strata_transfer_config(
-                store, host_bytes=base.host_bytes, **{**base.kvstrata_options, **remote})))
+            setup.specs.append(base.spec(base.strata(store, **remote)))
             setup.stores.append(store)
         return setup
     if name == "lmcache":

@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host tier of kvstrata, vLLM's CPU tier and LMCache's L1 (default 128MiB)")
     p.add_argument("--kvstrata-config", type=json_object, default={}, metavar="JSON",
                    help="options added to every kvstrata configuration, e.g. "
-                        "'{\"codec\": \"raw\"}'")
+                        "'{\"codec\": \"raw\"}'; a host_bytes here sizes kvstrata's host "
+                        "tier alone (the peers keep --host-bytes)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--dtype", default=None, help="server --dtype (default: the model's)")

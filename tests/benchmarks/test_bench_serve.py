@@ -285,6 +285,25 @@ def test_a_peer_that_cannot_run_is_skipped_with_its_reason(tmp_path, monkeypatch
     assert results == []
 
 
+
+def test_kvstrata_config_may_size_kvstrata_s_host_tier_alone(tmp_path) -> None:
+    # --kvstrata-config '{"host_bytes": ...}' used to fail every kvstrata configuration
+    # (host_bytes given twice); now it sizes kvstrata's host tier while the peers keep --host-bytes.
+    def extra(setup: configs.Setup) -> list[dict]:
+        return [spec.kv_transfer_config["kv_connector_extra_config"] for spec in setup.specs]
+
+    base = configs.BaseSettings(model=str(tmp_path), kv_cache_bytes=1 << 20, host_bytes=1 << 27,
+                                max_model_len=1024, max_num_seqs=2,
+                                kvstrata_options={"host_bytes": "2GiB", "codec": "raw"})
+    for name in ("kvstrata", "kvstrata_host_only", "two_replicas"):
+        for options in extra(configs.build_setup(name, base, tmp_path / name)):
+            assert options["host_bytes"] == "2GiB" and options["codec"] == "raw", name
+    assert extra(configs.build_setup("kvstrata_host_only", base, tmp_path / "h"))[0]["disk"] is False
+    cpu = configs.build_setup("vllm_cpu_offload", base, tmp_path / "cpu").specs[0]
+    assert str(1 << 27) in json.dumps(cpu.kv_transfer_config)  # the peer keeps --host-bytes
+    base.kvstrata_options = {}
+    assert extra(configs.build_setup("kvstrata", base, tmp_path / "k"))[0]["host_bytes"] == 1 << 27
+
 @pytest.mark.slow
 def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
     # Two users, one round, vLLM alone and kvstrata (the ratios against vLLM's offloading and
