@@ -4,7 +4,8 @@ child processes frame chunks of a real host slab into a frame slab and the store
 the store's MAC key; a frame that does not fit its frame slot, a child that dies, a pool that
 stops: the calling thread frames the rest; frame slots come back once their puts committed;
 closing leaves no process and no file. The put process: the index mirror follows its commits,
-it evicts by last access and reports it, a full map, a kill (also mid-transaction), a start that
+it evicts by last access and reports it (the reads of earlier runs and those a replaced put
+process had been sent included), a full map, a kill (also mid-transaction), a start that
 fails, a replaced put process: the writer thread puts the rest, and the index stays exact."""
 
 from __future__ import annotations
@@ -247,6 +248,61 @@ def test_the_put_process_evicts_by_last_access_and_reports_what_it_evicted(tmp_p
         assert sorted(evicted) == [k(i) for i in range(6) if not present[i]]
         assert stats["stored_bytes"] <= budget
 
+
+
+def _frame_sizes(tmp_path: Path) -> dict[bytes, int]:
+    with DiskStore(tmp_path / "probe", budget_bytes=1 << 30) as probe:
+        probe.put_many([(k(i), value(i), "bfloat16") for i in range(6)])
+        return {key_: r.stored_len for key_, r in probe.iter_index()}
+
+
+@pytest.mark.parametrize("flush_between", [False, True], ids=["one-epoch", "ticks-flushed-between"])
+def test_the_put_process_keeps_the_reads_of_earlier_runs(tmp_path: Path, slab, flush_between) -> None:
+    """The writer sends the put process only the ticks read since its last run (and a new epoch
+    once it wrote the buffered ticks): a read sent with an earlier run that evicted nothing still
+    orders a later eviction. Watched failing with the process replacing its copy by each run's
+    ticks (k(0) evicted)."""
+    size = _frame_sizes(tmp_path)
+    budget = sum(size[k(i)] for i in range(4)) + size[k(4)] // 2  # four fit, not five
+    with DiskStore(tmp_path / "db", budget_bytes=budget, touch_flush_interval_s=3600) as s:
+        s.use_write_processes(slab, 1)
+        for i in range(3):
+            assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+        s.touch_many([k(0)])  # k(0) after k(1), k(2)
+        assert put_from_slab(s, slab, [(k(3), 3, 0, SLOT, "bfloat16")]) == 1  # evicts nothing
+        if flush_between:
+            s.sync()
+        s.touch_many([k(1)])
+        assert put_from_slab(s, slab, [(k(4), 4, 0, SLOT, "bfloat16")]) == 1
+        stats = s.stats()
+        assert stats["process_puts"] == 5 and stats["evictions"] == 1, stats
+        assert s.contains_many([k(i) for i in range(5)]) == [True, True, False, True, True]
+        assert stats["tick_flushes"] == int(flush_between), stats
+
+
+def test_a_new_put_process_gets_every_buffered_tick(tmp_path: Path, slab) -> None:
+    """A read already sent to the put process it replaced still orders the new one's eviction.
+    Watched failing with only the changes sent to the new process (k(0) evicted)."""
+    size = _frame_sizes(tmp_path)
+    budget = sum(size[k(i)] for i in range(4)) + size[k(4)] // 2
+    other = HostSlab(tmp_path / "other-slab", SLOT, 8)
+    try:
+        other.slot(0)[:] = value(4)
+        with DiskStore(tmp_path / "db", budget_bytes=budget, touch_flush_interval_s=3600) as s:
+            s.use_write_processes(slab, 1)
+            for i in range(3):
+                assert put_from_slab(s, slab, [(k(i), i, 0, SLOT, "bfloat16")]) == 1
+            s.touch_many([k(0)])
+            assert put_from_slab(s, slab, [(k(3), 3, 0, SLOT, "bfloat16")]) == 1  # sends k(0)'s read
+            s.use_write_processes(other, 1)  # another put process
+            assert put_from_slab(s, other, [(k(4), 0, 0, SLOT, "bfloat16")]) == 1
+            stats = s.stats()
+            assert stats["process_puts"] == 5 and stats["evictions"] == 1, stats
+            # k(1) is the least recently used: k(0) was read after it.
+            assert s.contains_many([k(i) for i in range(5)]) == [True, False, True, True, True]
+            assert read(s, k(4), SLOT) == value(4).tobytes()
+    finally:
+        other.close()
 
 def test_a_put_process_that_dies_leaves_the_puts_to_the_writer_thread(tmp_path: Path, slab) -> None:
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:

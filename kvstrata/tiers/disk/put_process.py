@@ -5,9 +5,10 @@ sends, with the same ``Putter`` as the writer thread, and answers once per batch
 transaction committed. Run as ``python -m kvstrata.tiers.disk.put_process FD``, FD one end of a
 socket pair (``disk/children.py``).
 
-A job: ``(ticks, quarantined, transactions)``: the access ticks not written yet and the
-quarantined keys (for eviction), and per transaction its puts as ``(key, frame slot, offset,
-length, tick, MAC)`` in the frame slab. The answer: per transaction ``("ok", txnid, outcomes,
+A job: ``(epoch, ticks, quarantined, transactions)``: the access ticks not written yet, as
+changes to the copy it keeps (``ticks.py``, ``AccessTicks.changes``), and the quarantined keys
+(for eviction), and per transaction its puts as ``(key, frame slot, offset, length, tick, MAC)``
+in the frame slab. The answer: per transaction ``("ok", txnid, outcomes,
 added, removed, newly quarantined, reserve cap)`` or ``("failed", exception)``.
 """
 
@@ -60,6 +61,7 @@ def start(setup: dict[str, Any]) -> tuple[Handler, Callable[[], None]]:
         frames.close()
         raise
     ticks: dict[bytes, int] = {}
+    ticks_epoch: list[int | None] = [None]
     quarantined: set[bytes] = set()
     newly: list[tuple[bytes, str]] = []
 
@@ -94,10 +96,13 @@ def start(setup: dict[str, Any]) -> tuple[Handler, Callable[[], None]]:
         return ("ok", txnid, [(o.written, o.evicted, o.evicted_bytes, o.reason, o.froze) for o in outcomes],
                 putter.added, putter.removed, list(newly), putter.reserve.cap)
 
-    def handle(job: tuple[dict[bytes, int], list[bytes], list[list[PutItem]]], send: Callable[[Any], None]) -> None:
-        new_ticks, quarantine_now, txns = job
-        ticks.clear()
-        ticks.update(new_ticks)
+    def handle(job: tuple[int, dict[bytes, int], set[bytes], list[list[PutItem]]],
+               send: Callable[[Any], None]) -> None:
+        epoch, changed_ticks, quarantine_now, txns = job
+        if epoch != ticks_epoch[0]:  # the writer wrote the older ones
+            ticks.clear()
+            ticks_epoch[0] = epoch
+        ticks.update(changed_ticks)
         quarantined.clear()
         quarantined.update(quarantine_now)
         send([one(items) for items in txns])

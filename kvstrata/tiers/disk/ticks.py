@@ -18,18 +18,27 @@ FLUSH_AT = 4096  # buffered ticks that call for an early flush
 
 class AccessTicks:
     """The buffered ticks of one store; ``many()`` is called (outside the lock) once
-    ``FLUSH_AT`` are buffered. Thread-safe."""
+    ``FLUSH_AT`` are buffered. Thread-safe.
+
+    A copy kept elsewhere (the put process's, ``writer.py``) follows with ``changes()``: each
+    ``take()`` starts a new epoch, since what it took is written by the time the copy is next
+    used, and within an epoch only what was touched since the last call is sent.
+    """
 
     def __init__(self, many: Callable[[], None]) -> None:
         self._many = many
         self._lock = threading.Lock()
         self._ticks: dict[bytes, int] = {}
+        self._epoch = 0
+        self._unsent: dict[bytes, int] | None = None  # tracked once changes() was called
 
     def touch(self, keys: Iterable[bytes], tick: int) -> None:
         with self._lock:
-            ticks = self._ticks
+            ticks, unsent = self._ticks, self._unsent
             for key in keys:
                 ticks[key] = tick
+                if unsent is not None:
+                    unsent[key] = tick
             many = len(ticks) >= FLUSH_AT
         if many:
             self._many()
@@ -39,16 +48,31 @@ class AccessTicks:
         with self._lock:
             return dict(self._ticks)
 
+    def changes(self, *, full: bool) -> tuple[int, dict[bytes, int]]:
+        """``(epoch, ticks)`` for a copy kept elsewhere: a copy drops what it holds from another
+        epoch (written since), then adds ``ticks``, which are those touched since the last call
+        in this epoch, or with ``full`` (a new copy) every tick buffered."""
+        with self._lock:
+            changed = dict(self._ticks) if full or self._unsent is None else self._unsent
+            self._unsent = {}
+            return self._epoch, changed
+
     def forget(self, keys: Iterable[bytes]) -> None:
-        """These records are gone: their ticks with them."""
+        """These records are gone: their ticks with them (a copy may keep them: a tick older
+        than the record's own never reorders it)."""
         with self._lock:
             for key in keys:
                 self._ticks.pop(key, None)
+                if self._unsent is not None:
+                    self._unsent.pop(key, None)
 
     def take(self) -> dict[bytes, int]:
-        """The ticks not written yet, no longer buffered (the caller writes them)."""
+        """The ticks not written yet, no longer buffered (the caller writes them); a new epoch."""
         with self._lock:
             taken, self._ticks = self._ticks, {}
+            self._epoch += 1
+            if self._unsent is not None:
+                self._unsent = {}
         return taken
 
 

@@ -118,6 +118,7 @@ class Writer:
             touched=self.touched, quarantined=self.quarantined, quarantine=self.quarantine,
             on_deleted=self._forget_touches, on_recount=self._recounting, mirror=self.index_mirror)
         self._put_pool: ChildPool | None = None  # use_put_process
+        self._ticks_sent_to: ChildPool | None = None  # the put process holding a copy of the ticks
         # The sync thread before the writer thread, whose commits tell it.
         self.syncer = Syncer(env, counters, interval_s=sync_interval_s, sync_bytes=sync_bytes, idle=idle,
                              stop=self._stop, spawn=_spawn)
@@ -388,7 +389,11 @@ class Writer:
             if len(txns) >= _PROCESS_RUN_TXNS or size >= _PROCESS_RUN_BYTES:
                 break
             nxt, carry = carry, None
-        run = (self.touched(), self.quarantined.copy(),
+        # The put process keeps a copy of the buffered ticks: a new process gets them all, one
+        # that has them only what changed (at most FLUSH_AT a run, pickled with the GIL held).
+        epoch, ticks = self.ticks.changes(full=pool is not self._ticks_sent_to)
+        self._ticks_sent_to = pool
+        run = (epoch, ticks, self.quarantined.copy(),
                [[(job.key, *job.place, job.tick, job.mac) for job in jobs if job.place is not None] for jobs in txns])
         answers: list[Any] = []
         try:
