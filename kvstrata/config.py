@@ -107,6 +107,13 @@ class StrataConfig:
     # KV cache group: vLLM can recover from a failed synchronous load only by block ids, which
     # it cannot map with several groups (docs/SEMANTICS.md §1.6).
     sync_loads: bool | str = "auto"
+    # A request whose prefix a lower tier holds, but which the host tier has no room to promote
+    # (every slot held by stores, loads and writes behind), waits for room up to this long from
+    # its first lookup, instead of computing what did not fit. 0: never waits. "auto": 1 s on
+    # CPU engines, where a follow-up otherwise recomputed up to 2,000 tokens of its context,
+    # seconds of prefill (docs/BENCHMARKS.md, "Waiting for host-tier room"); 0.1 s on
+    # accelerators, whose prefill is cheaper than a long wait (not measured there yet).
+    host_room_wait_s: float | str = "auto"
     # Python's GIL switch interval in the engine-core process, where kvstrata's read threads run
     # beside vLLM's busy step loop: the default 5 ms makes each of their GIL hand-backs wait up to
     # that long (decoding 32 cached records took 210 ms instead of 61 ms next to one busy Python
@@ -223,6 +230,12 @@ class StrataConfig:
             return device_type == "cpu"
         return bool(self.sync_loads)
 
+    def resolve_host_room_wait_s(self, device_type: str) -> float:
+        """Seconds a lookup may wait for host-tier room (``host_room_wait_s``)."""
+        if self.host_room_wait_s == "auto":
+            return 1.0 if device_type == "cpu" else 0.1
+        return float(self.host_room_wait_s)
+
     def resolve_background_priority(self, device_type: str) -> Literal["auto", "idle", "normal"]:
         """``background_priority`` for an engine on ``device_type``: "auto" is "normal" off CPU."""
         if self.background_priority == "auto" and device_type != "cpu":
@@ -316,6 +329,7 @@ _VALIDATORS = {
     "host_shm_dir": values.optional_path,
     "stream_loads": values.auto_or(values.as_bool),
     "sync_loads": values.auto_or(values.as_bool),
+    "host_room_wait_s": values.auto_or(values.non_negative_seconds),
     "python_switch_interval_s": values.optional_seconds,
     "self_describing_kv_events": values.as_bool,
     "warm_start_bytes": values.parse_size,

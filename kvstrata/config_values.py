@@ -201,6 +201,19 @@ def dir_mode(key: str, value: Any) -> int:
         raise ConfigError(f"kvstrata option {key!r}: {exc}") from None
 
 
+def non_negative_seconds(key: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    try:
+        seconds = None if value is None else optional_seconds(key, value)
+    except ConfigError:
+        seconds = None
+    if seconds is None:
+        raise ConfigError(
+            f"kvstrata option {key!r}: expected a finite number of seconds, 0 or more, got {shown(value)}")
+    return seconds
+
+
 def positive_seconds(key: str, value: Any) -> float:
     try:
         seconds = None if value is None else optional_seconds(key, value)

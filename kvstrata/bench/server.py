@@ -326,6 +326,10 @@ KVSTRATA_SERIES = {
     "writes_urgent": "vllm:kvstrata_disk_writes_urgent",
     "write_reuse": "vllm:kvstrata_disk_write_reuse",
     "promotions": "vllm:kvstrata_promotions",
+    # Chunks on disk computed for want of a host slot to promote them, and those asked for
+    # again while their request waited for one (host_room_wait_s).
+    "promotions_no_room": "vllm:kvstrata_promotions_no_room",
+    "promotion_room_waits": "vllm:kvstrata_promotion_room_waits",
     # Seconds from a load's submission to its end in the workers (a streamed one's wait for
     # chunks landing from disk included).
     "load_seconds": "vllm:kvstrata_load_seconds_total",

@@ -215,6 +215,7 @@ class StrataConnector(KVConnectorBase_V1, SupportsHMA):
                 stream_loads=stream_loads,
                 sync_loads=sync_loads,
                 sync_loads_wait_for_disk=sync_loads and device == "cpu",
+                host_room_wait_s=self.cfg.resolve_host_room_wait_s(device),
                 events=kv_events,
                 shutdown_write_timeout_s=self.cfg.shutdown_write_timeout_s,
             )

@@ -47,6 +47,7 @@ class LookupMixin:
     stream_loads: bool
     sync_loads: bool
     sync_loads_wait_for_disk: bool
+    host_room_wait_s: float
     _reqs: dict[str, RequestState]
     _jobs: dict[int, Job]
     _loads: list[TransferJob]
@@ -75,8 +76,12 @@ class LookupMixin:
         st.num_local = num_computed_tokens
         if request.skip_reading_prefix_cache:
             return 0, False
+        now = time.monotonic()
         if st.lookup_started is None:
-            st.lookup_started = time.monotonic()
+            st.lookup_started = now
+        # Chunks a lower tier holds but the host tier has no room to promote answer PENDING
+        # (this lookup defers; the write-behind frees room) until the request waited this long.
+        wait_for_room = now - st.lookup_started < self.host_room_wait_s
         if st.awaiting and self.hierarchy.in_flight(st.awaiting):
             self.stats.lookup_deferrals += 1
             return None, False
@@ -90,7 +95,7 @@ class LookupMixin:
             # Promotions launch at the end of the step's scheduling (``build_connector_meta``).
             answers = list(self.hierarchy.lookup_many(
                 keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered,
-                offered=st.offered, defer_promotions=True))
+                offered=st.offered, defer_promotions=True, wait_for_room=wait_for_room))
             # With C-level iteration: a long prompt's probe is hundreds of keys, every step.
             answered.update(compress(keys, map(is_, answers, repeat(Presence.HIT))))
             if Presence.PENDING in answers:

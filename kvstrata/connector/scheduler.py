@@ -51,7 +51,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
     def __init__(
         self, plan: KVPlan, hierarchy: TierManager, *, offload_prompt_only: bool, prefix_caching: bool,
         stream_loads: bool = False, sync_loads: bool = False, sync_loads_wait_for_disk: bool = False,
-        events: KVEvents | None = None,
+        host_room_wait_s: float = 0.0, events: KVEvents | None = None,
         shutdown_write_timeout_s: float | None = None,
     ):
         self.plan = plan
@@ -68,6 +68,9 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         self.sync_loads = sync_loads
         # ... also streamed ones whose chunks are still landing (the worker waits: CPU engines).
         self.sync_loads_wait_for_disk = sync_loads_wait_for_disk
+        # How long a lookup may wait for host-tier room to promote what a lower tier holds
+        # (StrataConfig.host_room_wait_s), from its first lookup.
+        self.host_room_wait_s = host_room_wait_s
         self._streaming: set[int] = set()  # streamed load jobs (their keys: self._jobs)
         self.layout = plan.layout
         self.hierarchy = hierarchy
@@ -218,8 +221,9 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         return meta
 
     def _idle_wait(self) -> None:
-        """This step schedules nothing and requests wait on promotions from disk: give them up
-        to ``IDLE_WAIT_S`` to land rather than letting the engine spin through empty steps.
+        """This step schedules nothing and requests wait on promotions from disk (or for
+        host-tier room to start them): give them up to ``IDLE_WAIT_S`` to land rather than
+        letting the engine spin through empty steps.
 
         Each empty step is a round trip to every worker, and on a small machine the spinning
         engine takes the cores the promotions' decompression needs. A request that arrives
@@ -235,8 +239,12 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         # Streamed loads wait on their chunks' promotions in the workers: the same wait applies.
         for job_id in self._streaming:
             keys.extend(self._jobs[job_id].keys)
-        if keys:
+        if not keys:
+            return
+        if self.hierarchy.in_flight(keys):
             self.hierarchy.wait_promotions(keys, IDLE_WAIT_S)
+        else:  # they wait for host-tier room (host_room_wait_s), which the write-behind frees
+            time.sleep(IDLE_WAIT_S)
 
     def _update_block_ids(self, so: SchedulerOutput) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
@@ -416,6 +424,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             "promotions": int(h.get("promotions_completed", 0)),
             "warm_promotions": int(h.get("warm_promotions", 0)),
             "writes_behind": int(h.get("writes_completed", 0)),
+            "promotions_no_room": int(h.get("promote_no_room", 0)),
+            "promotion_room_waits": int(h.get("promote_room_waits", 0)),
         }
         r = h.get("tiers", {}).get(TIER_REMOTE)
         if r is not None and "error" not in r:

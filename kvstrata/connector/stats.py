@@ -49,6 +49,9 @@ GAUGES = (
     # 1 while the disk tier keeps its size because its file system is down to disk_reserve.
     "disk_reserve_capped",
     "promotions", "warm_promotions", "writes_behind",
+    # Chunks a lower tier held that lookups found no host slot to promote: computed instead
+    # (no_room), or asked for again while their request waited for room (host_room_wait_s).
+    "promotions_no_room", "promotion_room_waits",
     # Disk writes run on normal-priority threads to catch up, and the share of what the disk
     # was given that requests came back for (tiers/hierarchy/reuse.py).
     "disk_writes_urgent", "disk_write_reuse",

@@ -20,7 +20,7 @@ class TierManager(Protocol):
     def lookup_many(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None = None, *,
                     stream: bool = False, prefix: bool = False,
                     protect: set[bytes] | None = None, offered: set[bytes] | None = None,
-                    defer_promotions: bool = False) -> list[Presence]:
+                    defer_promotions: bool = False, wait_for_room: bool = False) -> list[Presence]:
         """HIT / PENDING / MISS per chunk key; chunks only in a lower tier start their
         promotion (see ``Hierarchy.lookup_many``)."""
         ...

@@ -139,7 +139,8 @@ def _llama_with_eagle(out: Path, seed: int) -> Path:
 
 
 # A host tier too small for a round's prompts: chunks are evicted between requests and come
-# from disk again (the smallest host tier kvstrata accepts).
+# from disk again, requests waiting for room to promote them (the smallest host tier kvstrata
+# accepts; host_room_wait_s).
 TIGHT_HOST = Restart("tight_host", host_bytes=1 << 20)
 # Warm start after a restart: the chunks used last are promoted in the background while the
 # engine is idle; the round starts once they landed (waited for, not slept through), so it is

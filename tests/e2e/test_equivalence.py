@@ -193,6 +193,10 @@ def test_cpu_engines_load_in_the_step_that_computes(
 def test_a_tight_host_tier_serves_from_disk(scenarios: Callable[[str], Scenario], case: str) -> None:
     step = scenarios(case).step("eq_tight_host")
     assert metric(step, "kvstrata_hit_tokens_disk") > 0, dump(step["metrics"])
+    # The round's requests arrive together: their lookups wait for host-tier room to promote
+    # what the disk holds (host_room_wait_s), and what they are then served equals the
+    # recomputation (the round's verdict, test_served_equals_recomputed).
+    assert metric(step, "kvstrata_promotion_room_waits") > 0, dump(step["metrics"])
     assert metric(step, "kvstrata_host_bytes") <= 1 << 20, dump(step["metrics"])
 
 

@@ -19,6 +19,7 @@ from hierarchy_helpers import (
     GatedDisk,
     corrupt_payload,
     eventually,
+    fill,
     holds,
     key,
     on_disk,
@@ -385,6 +386,42 @@ def test_promotions_that_do_not_all_fit_take_the_slots_there_are_in_order(env):
     assert all(holds(h2.slab, s, k) for s, k in zip(slots, keys[:4], strict=True))
     h2.complete_load(keys[:4])
 
+
+
+def test_a_lookup_that_may_wait_for_room_asks_again_instead_of_missing(env):
+    """With ``wait_for_room`` (``host_room_wait_s``) the chunks of a run the host tier has no
+    slot for answer PENDING: the request asks again, and once the slots' holders let go (stores
+    completed and written behind) the same lookup promotes them all; none is counted as
+    computed. A run longer than the whole tier could never fit, and misses as before. Watched
+    failing with the lookup ignoring ``wait_for_room`` (6 MISS)."""
+    disk = env.disk()
+    h = env.hier(disk, slots=16)
+    keys = [key(i) for i in range(10)]
+    store(h, keys)
+    eventually(lambda: h.stats()["writes_completed"] == 10, "write-behind")
+    h.close()
+    h2 = env.hier(disk, slots=16)
+    pinned = [key(100 + i) for i in range(12)]
+    slots = h2.prepare_store(pinned)  # 12 of 16 slots held by stores in flight
+    assert slots is not None
+    assert h2.lookup_many(keys, prefix=True, wait_for_room=True) == [PENDING] * 10
+    stats = h2.stats()
+    assert stats["promotions_started"] == 4 and stats["promote_room_waits"] == 6, stats
+    assert stats["promote_no_room"] == 0
+    for k, slot in slots.items():
+        fill(h2.slab, slot, k)
+    h2.complete_store(pinned)
+    eventually(lambda: h2.stats()["writes_completed"] == 12, "the stores' write-behind")
+    eventually(lambda: h2.lookup_many(keys, prefix=True, wait_for_room=True) == [HIT] * 10,
+               "promotions once there is room")
+    assert h2.stats()["promote_no_room"] == 0
+    loaded = h2.prepare_load(keys)
+    assert all(holds(h2.slab, s, k) for s, k in zip(loaded, keys, strict=True))
+    h2.complete_load(keys)
+    h2.close()
+    h3 = env.hier(disk, slots=4)  # the run (10 chunks) never fits: no wait
+    assert h3.lookup_many(keys, prefix=True, wait_for_room=True) == [PENDING] * 4 + [MISS] * 6
+    assert h3.stats()["promote_room_waits"] == 0 and h3.stats()["promote_no_room"] >= 1
 
 def test_holds_many_of_a_run_asks_the_disk_only_up_to_its_first_miss(env):
     """Where a deferred lookup's hit will end (the held start of its run) is asked as a prefix

@@ -167,6 +167,7 @@ class Hierarchy:
         protect: set[bytes] | None = None,
         offered: set[bytes] | None = None,
         defer_promotions: bool = False,
+        wait_for_room: bool = False,
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
@@ -186,10 +187,14 @@ class Hierarchy:
         connector launches them once vLLM's scheduling of the step is done, so that their
         Python work (the I/O loop, the read threads) does not take the GIL from vLLM's
         scheduler mid-step (docs/BENCHMARKS.md, "Promotions launched after the step's
-        scheduling").
+        scheduling"). ``wait_for_room``: a chunk a lower tier holds that the host tier has no
+        room to promote (every slot held) answers PENDING instead of MISS, so that the request
+        asks again once stores, loads and writes have let go of slots, rather than computing it
+        (``host_room_wait_s``); not when this lookup's promotions could never all fit.
         """
         return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
-                                   prefix=prefix, protect=protect, offered=offered, defer=defer_promotions)
+                                   prefix=prefix, protect=protect, offered=offered, defer=defer_promotions,
+                                   wait_for_room=wait_for_room)
 
     def launch_deferred_promotions(self) -> None:
         """Run the promotions lookups held with ``defer_promotions``."""

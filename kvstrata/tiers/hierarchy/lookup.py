@@ -60,6 +60,7 @@ class Lookup:
         protect: set[bytes] | None = None,
         offered: set[bytes] | None = None,
         defer: bool = False,
+        wait_for_room: bool = False,
     ) -> list[Presence]:
         # Kept to C-level iteration and list comprehensions over the keys: this runs on the
         # scheduler's critical path, for hundreds of keys every step a long prompt waits.
@@ -120,7 +121,7 @@ class Lookup:
         source = self.find(keys, candidates, prefix)
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
                                 ([i for i in candidates if fresh[i]] if any_fresh else [])
-                                if count_offers else None, defer)
+                                if count_offers else None, defer, wait_for_room)
         return states
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
@@ -169,10 +170,13 @@ class Lookup:
 
     def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
                           streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
-                          protect: set[bytes] | None, asked: list[int] | None, defer: bool = False) -> None:
+                          protect: set[bytes] | None, asked: list[int] | None, defer: bool = False,
+                          wait_for_room: bool = False) -> None:
         """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
         the tiers' reuse evidence (None: a promotion that is no request's). ``defer``: the
-        reads are held until ``Promoter.launch_deferred``."""
+        reads are held until ``Promoter.launch_deferred``. ``wait_for_room``: a chunk the host
+        tier has no room for answers PENDING (ask again later) instead of MISS, when this
+        lookup's promotions could all fit in the host tier once its holders let go."""
         s = self.s
         items = []
         with s.lock:
@@ -181,6 +185,8 @@ class Lookup:
             protected: set[bytes] | None = None
             room = not s.closed
             order = sorted(source)
+            # Waiting is worth it only where the promotions could all fit in the tier at all.
+            wait_for_room = wait_for_room and len(order) <= s.pool.num_slots
             slots_of = self._allocate_all(keys, order, states, protect) if room else {}
             if slots_of:  # every absent chunk got its slot at once (the usual case): one pass
                 answer = _HIT if stream else _PENDING
@@ -211,7 +217,7 @@ class Lookup:
                         states[i] = _PENDING
                     continue
                 if not room:
-                    s.counts["promote_no_room"] += 1
+                    self._no_room(states, i, wait_for_room)
                     continue
                 if protected is None:
                     protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
@@ -220,9 +226,10 @@ class Lookup:
                 slots = self.s.pool.allocate((key,), protected)
                 if slots is None:
                     # The host tier is full of pinned chunks: answer MISS rather than PENDING
-                    # so that the request does not wait on a promotion that never starts.
+                    # so that the request does not wait on a promotion that never starts, unless
+                    # it may wait for room (then it asks again, and starts it then).
                     room = False
-                    s.counts["promote_no_room"] += 1
+                    self._no_room(states, i, wait_for_room)
                     continue
                 items.append(self.promoter.start(key, slots[0], source[i]))
                 states[i] = _HIT if stream else _PENDING
@@ -231,6 +238,14 @@ class Lookup:
                     promoting[key] = source[i].name
             self.promoter.launch(items, defer)
             self._count(states, streamed)
+
+    def _no_room(self, states: list[Presence], i: int, wait_for_room: bool) -> None:
+        """Chunk ``i`` of a lookup found no host slot for its promotion. Under the lock."""
+        if wait_for_room:
+            states[i] = _PENDING
+            self.s.counts["promote_room_waits"] += 1
+        else:
+            self.s.counts["promote_no_room"] += 1
 
     def _allocate_all(self, keys: Sequence[bytes], order: list[int], states: list[Presence],
                       protect: set[bytes] | None) -> dict[bytes, int]:

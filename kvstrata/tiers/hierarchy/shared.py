@@ -33,6 +33,7 @@ COUNTERS = (
     "lookups", "lookup_hits", "lookup_pending", "stores_prepared", "stores_completed",
     "stores_failed", "store_no_room", "store_unknown", "loads_prepared", "loads_streamed",
     "promotions_started", "promotions_completed", "promotions_failed", "promote_no_room",
+    "promote_room_waits",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
     "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed", "writes_retried",
     "writes_resumed", "writes_lost", "writes_urgent",

@@ -214,6 +214,55 @@ def test_a_lookup_promotes_nothing_past_the_first_missing_chunk(runners, tmp_pat
     assert second.load_errors == []
 
 
+
+@pytest.mark.parametrize("wait", ["no-wait", "until-room", "until-deadline"])
+def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: Path, wait: str) -> None:
+    """Every host slot but two is held (stores in flight) when a restarted engine's request
+    finds its 6 chunks on disk. With ``host_room_wait_s`` 0 it loads the 2 that fit and computes
+    the rest (what kvstrata did before). With a wait, its lookup defers while the host tier has
+    no room; once the stores let go of their slots it is served whole; and if they never do, it
+    loads what fits once it waited ``host_room_wait_s``. Watched failing with the lookup not
+    asked to wait (32 tokens loaded, not 96)."""
+    import os
+    import time
+
+    store = tmp_path / "persist"
+    prompt = token_prompt(96)  # chunk-aligned: no prompt tail
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    first.close()
+    wait_s = {"no-wait": 0.0, "until-room": 60.0, "until-deadline": 0.5}[wait]
+    second = runners([G("full", 16)], store=store, extra={"host_room_wait_s": wait_s})
+    hierarchy = second.connector.scheduler.hierarchy
+    pinned = [os.urandom(28) + bytes(4) for _ in range(second.connector.scheduler.plan.num_slots - 2)]
+    assert hierarchy.prepare_store(pinned) is not None
+    started = time.monotonic()
+    req = second.add(prompt, 1)
+    if wait == "until-room":
+        for _ in range(5):
+            second.step()
+        assert req.request_id not in second.loaded_tokens and req.num_computed_tokens == 0
+        assert hierarchy.stats()["promote_room_waits"] >= 4
+        hierarchy.complete_store(pinned, success=False)  # the stores let go of their slots
+    steps = 0
+    while not req.is_finished():
+        second.step()
+        steps += 1
+        assert steps < 100_000, "the request was never served"  # a hang guard
+    second.run_until_idle()
+    assert second.load_errors == []
+    stats = hierarchy.stats()
+    if wait == "until-room":
+        assert second.loaded_tokens[req.request_id] == 96
+        assert stats["promote_no_room"] == 0 and stats["promotions_started"] == 6, stats
+    else:
+        assert second.loaded_tokens[req.request_id] == 32  # the two chunks that fit
+        assert stats["promote_no_room"] >= 1, stats
+        assert (stats["promote_room_waits"] > 0) == (wait == "until-deadline"), stats
+        if wait == "until-deadline":
+            assert time.monotonic() - started >= wait_s
+        hierarchy.complete_store(pinned, success=False)
+
 def test_a_request_vllm_looks_up_at_every_step_offers_its_chunks_once(runners) -> None:
     """Disk admission (``admission: 3``: written once offered three times) counts requests: a
     request vLLM cannot allocate blocks for is looked up again at every step, and those lookups
