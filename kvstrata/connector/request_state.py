@@ -56,6 +56,9 @@ class RequestState:
     prompt_tail_keys: dict[int, bytes] | None = None
     prompt_tail_hashed: bool = False
     prompt_tail_hit: bool = False
+    # The host tier had no room for the prompt's tail in the step that completed the prompt:
+    # asked again at the next steps, while decoding is still inside its chunk.
+    tail_store_refused: bool = False
     # A stored tail serving this longer prompt (semantics.tail_extension): the candidate tails'
     # keys per group by length, for the chunk start they were computed at, and the keys of the
     # tail the last lookup's hit ends in (None: it ends elsewhere).

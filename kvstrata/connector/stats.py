@@ -39,6 +39,8 @@ COUNTERS = {
                     "(chunks still landing from disk included), others until reported done",
     "store_seconds": "Seconds spent in device -> host copies",
     "allocation_failures": "Stores refused: no free host slot",
+    "late_tail_stores": "Prompt tails stored while their request decoded, the host tier having had "
+                        "no room in the step that completed the prompt",
     "load_failures": "Load jobs that failed (request recomputed)",
     "store_failures": "Store jobs that failed",
 }

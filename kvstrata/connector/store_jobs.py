@@ -49,7 +49,8 @@ class StoreJobsMixin:
         def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
 
     def _prompt_tail_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
-        """Store the prompt's tail chunk in the step whose forward completes the prompt."""
+        """Store the prompt's tail chunk in the step whose forward completes the prompt, or in a
+        later one while decoding is still inside that chunk, when the host tier had no room."""
         if not self.layout.serves_prompt_tails:
             return []
         jobs: list[TransferJob] = []
@@ -58,26 +59,43 @@ class StoreJobsMixin:
             if st is None:
                 continue
             req = st.req
-            if not semantics.completes_prompt(num_prompt_tokens=req.num_prompt_tokens,
-                                              computed_before=req.num_computed_tokens,
-                                              computed_after=req.num_computed_tokens + scheduled):
+            block_ids = {g: gs.block_ids for g, gs in st.groups.items()}
+            if semantics.completes_prompt(num_prompt_tokens=req.num_prompt_tokens,
+                                          computed_before=req.num_computed_tokens,
+                                          computed_after=req.num_computed_tokens + scheduled):
+                transfers = semantics.plan_prompt_tail_store(
+                    self.layout,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    computed_before=req.num_computed_tokens,
+                    computed_after=req.num_computed_tokens + scheduled,
+                    block_ids=block_ids,
+                    tail_keys=self._prompt_tail_keys(st),
+                    max_offload_tokens=st.max_offload_tokens,
+                )
+            elif st.tail_store_refused:
+                transfers = semantics.plan_prompt_tail_store_again(
+                    self.layout, num_prompt_tokens=req.num_prompt_tokens,
+                    num_computed_tokens=req.num_computed_tokens, block_ids=block_ids,
+                    tail_keys=self._prompt_tail_keys(st), max_offload_tokens=st.max_offload_tokens)
+            else:
                 continue  # every other step of the request: no tail to store
-            transfers = semantics.plan_prompt_tail_store(
-                self.layout,
-                num_prompt_tokens=req.num_prompt_tokens,
-                computed_before=req.num_computed_tokens,
-                computed_after=req.num_computed_tokens + scheduled,
-                block_ids={g: gs.block_ids for g, gs in st.groups.items()},
-                tail_keys=self._prompt_tail_keys(st),
-                max_offload_tokens=st.max_offload_tokens,
-            )
-            jobs.extend(self._tail_store_jobs(st, transfers))
+            tail_jobs = self._tail_store_jobs(st, transfers)
+            if tail_jobs and st.tail_store_refused:
+                self.stats.late_tail_stores += 1
+            st.tail_store_refused = tail_jobs is None
+            jobs.extend(tail_jobs or ())
         return jobs
 
-    def _tail_store_jobs(self, st: RequestState, transfers: list[Any]) -> list[TransferJob]:
-        """One store job for a tail's chunk in every group, when the host tier takes it."""
-        reserved = self._reserve(transfers) if transfers else None
-        return [self._store_job(st, *reserved)] if reserved is not None and reserved[0] else []
+    def _tail_store_jobs(self, st: RequestState, transfers: list[Any]) -> list[TransferJob] | None:
+        """One store job for a tail's chunk in every group when the host tier takes it (none
+        when it holds them already); None when it has no room for them."""
+        if not transfers:
+            return []
+        reserved = self._reserve(transfers)
+        if reserved is None:
+            return None
+        chosen, slots = reserved
+        return [self._store_job(st, chosen, slots)] if chosen else []
 
     def _answer_tail_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
         """Store the chunk holding the end of a finished request's answer as a tail (with
@@ -96,7 +114,7 @@ class StoreJobsMixin:
             transfers = semantics.plan_answer_tail_store(
                 self.layout, num_prompt_tokens=req.num_prompt_tokens, offloadable=end,
                 block_ids={g: gs.block_ids for g, gs in st.groups.items()}, tail_keys=self._tail_keys(st, end))
-            jobs.extend(self._tail_store_jobs(st, transfers))
+            jobs.extend(self._tail_store_jobs(st, transfers) or ())
         return jobs
 
     def _offloadable(self, st: RequestState, so: SchedulerOutput) -> int:

@@ -69,8 +69,11 @@ Prompt tails (``prompt_tail``; kvstrata only, vLLM 0.32.0 recomputes them)
     num_prompt_tokens, hash_tail)``: those keys (the adapter's ``hash_tail`` hashes the partial
     block with vLLM's ``hash_block_tokens``). ``plan_prompt_tail_store(layout, *, num_prompt_tokens,
     computed_before, computed_after, block_ids, tail_keys, max_offload_tokens=None)``: the tail
-    chunk of every group, in the step that completes the prompt (``completes_prompt``). Loads
-    reuse ``plan_load``'s ``tail_keys``.
+    chunk of every group, in the step that completes the prompt (``completes_prompt``);
+    ``plan_prompt_tail_store_again(layout, *, num_prompt_tokens, num_computed_tokens, block_ids,
+    tail_keys, max_offload_tokens=None)``: the same in a later step, while decoding is still
+    inside the tail's chunk, when the host tier had no room for it. Loads reuse ``plan_load``'s
+    ``tail_keys``.
     ``tail_extension_span(layout, *, hit_end, num_tokens, local_computed, ...) -> (S, lengths)
     | None`` and ``tail_extension_hit(layout, *, complete_hit, local_computed, start,
     candidates, probe, being_loaded=None) -> (hit | None, tail keys | None)``: a stored tail of
@@ -130,6 +133,7 @@ from kvstrata.semantics.prompt_tail import (
     completes_prompt,
     plan_answer_tail_store,
     plan_prompt_tail_store,
+    plan_prompt_tail_store_again,
     prompt_tail_end,
     prompt_tail_hit,
     prompt_tail_keys,
@@ -176,6 +180,7 @@ __all__ = [
     "plan_load",
     "plan_partial_tail_stores",
     "plan_prompt_tail_store",
+    "plan_prompt_tail_store_again",
     "plan_store",
     "prefix_run",
     "prompt_tail_end",

@@ -158,6 +158,37 @@ def plan_prompt_tail_store(
     return _tail_transfers(layout, start, num_prompt_tokens, block_ids, tail_keys)
 
 
+def plan_prompt_tail_store_again(
+    layout: Layout,
+    *,
+    num_prompt_tokens: int,
+    num_computed_tokens: int,
+    block_ids: Mapping[int, Sequence[int]],
+    tail_keys: Mapping[int, bytes] | None,
+    max_offload_tokens: int | None = None,
+) -> list[ChunkTransfer]:
+    """The tail chunk of every group again, in a later step of a request whose prompt-completing
+    step could not store it (the host tier had no room): decoding writes only positions past the
+    prompt, so the tail's own positions still hold what the prompt's forward wrote, and a hit
+    never serves the positions past them (the request it is loaded into computes those first).
+
+    ``num_computed_tokens``: the request's computed tokens before this step. Nothing once
+    decoding has left the tail's chunk (a windowed group may have freed its blocks since; this
+    is the bound that keeps them the request's latest ones), nor when a block is no longer
+    allocated (the adapter nulls a windowed block given to another request).
+    """
+    start = prompt_tail_start(layout, num_prompt_tokens)
+    if (
+        tail_keys is None
+        or start is None
+        or num_computed_tokens < num_prompt_tokens
+        or num_computed_tokens >= start + layout.groups[0].tokens_per_chunk
+        or (max_offload_tokens is not None and max_offload_tokens < num_prompt_tokens)
+    ):
+        return []
+    return _tail_transfers(layout, start, num_prompt_tokens, block_ids, tail_keys)
+
+
 def plan_answer_tail_store(
     layout: Layout,
     *,

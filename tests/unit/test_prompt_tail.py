@@ -14,6 +14,7 @@ from kvstrata.semantics import (
     plan_answer_tail_store,
     plan_load,
     plan_prompt_tail_store,
+    plan_prompt_tail_store_again,
     prompt_tail_end,
     prompt_tail_hit,
     prompt_tail_keys,
@@ -194,6 +195,37 @@ def test_the_tail_is_stored_in_the_step_that_completes_the_prompt() -> None:
                                  block_ids={0: blocks[0]}, tail_keys=TAILS)
     assert (t.chunk_index, t.block_ids) == (1, (5, 6, 7))
 
+
+
+def test_a_refused_tail_is_stored_again_while_decoding_is_inside_its_chunk() -> None:
+    """The host tier had no room in the step that completed the prompt (100 tokens, the tail
+    96..100 in block 7): the same transfers in every later step whose computed tokens are
+    still inside the tail's chunk (100..111), never before the prompt is computed or past the
+    chunk, nor for a null block or under a cap."""
+    blocks = {0: [1, 2, 3, 4, 5, 6, 7], 1: [11, 12, 13, 14, 15, 16, 17]}
+    first = plan_prompt_tail_store(FA, num_prompt_tokens=100, computed_before=64, computed_after=100,
+                                   block_ids=blocks, tail_keys=TAILS)
+
+    def again(computed: int, **kw):
+        return plan_prompt_tail_store_again(FA, num_prompt_tokens=kw.pop("n", 100), num_computed_tokens=computed,
+                                            block_ids=kw.pop("block_ids", blocks),
+                                            tail_keys=kw.pop("tails", TAILS), **kw)
+
+    for computed in range(100, 112):
+        assert again(computed) == first, computed
+    for computed in (0, 64, 99, 112, 113, 200):
+        assert again(computed) == [], computed
+    assert again(105, block_ids={0: blocks[0], 1: [11, 12, 13, 14, 15, 16, 0]}) == []
+    assert again(105, max_offload_tokens=99) == [] and again(105, max_offload_tokens=100) == first
+    assert again(105, tails=None) == []
+    assert again(100, n=96) == []  # no tail
+    assert again(100, n=97) == []  # a one-token tail saves nothing
+    bpc4 = Layout((_fa(0, bpc=4),))  # 64-token chunks: decoding stays in the tail's to 128
+    [t] = plan_prompt_tail_store_again(bpc4, num_prompt_tokens=100, num_computed_tokens=127,
+                                       block_ids={0: [*blocks[0], 8]}, tail_keys=TAILS)
+    assert (t.chunk_index, t.block_ids) == (1, (5, 6, 7))
+    assert plan_prompt_tail_store_again(bpc4, num_prompt_tokens=100, num_computed_tokens=128,
+                                        block_ids={0: [*blocks[0], 8, 9]}, tail_keys=TAILS) == []
 
 def test_the_answer_tail_is_the_chunk_holding_the_end_of_the_written_kv() -> None:
     """At a finish with the answer offloaded: 100 prompt tokens and 19 written past them (119)
