@@ -314,6 +314,7 @@ HIT_SERIES = {
 # promotions (disk -> host). Counters are deltas over the run, gauges the value at its end.
 KVSTRATA_SERIES = {
     "allocation_failures": "vllm:kvstrata_allocation_failures_total",
+    "late_tail_stores": "vllm:kvstrata_late_tail_stores_total",
     "load_failures": "vllm:kvstrata_load_failures_total",
     "store_jobs": "vllm:kvstrata_store_jobs_total",
     "load_jobs": "vllm:kvstrata_load_jobs_total",
