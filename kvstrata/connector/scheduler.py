@@ -229,21 +229,20 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         engine takes the cores the promotions' decompression needs. A request that arrives
         meanwhile waits at most that long; one promotion landing ends the wait.
         """
-        keys: list[bytes] = []
+        awaited: list[bytes] = []
         for req_id in list(self._awaiting):
             st = self._reqs.get(req_id)
             if st is None or not st.awaiting:
                 self._awaiting.discard(req_id)
                 continue
-            keys.extend(st.awaiting)
+            awaited.extend(st.awaiting)
         # Streamed loads wait on their chunks' promotions in the workers: the same wait applies.
-        for job_id in self._streaming:
-            keys.extend(self._jobs[job_id].keys)
+        keys = awaited + [key for job_id in self._streaming for key in self._jobs[job_id].keys]
         if not keys:
             return
         if self.hierarchy.in_flight(keys):
             self.hierarchy.wait_promotions(keys, IDLE_WAIT_S)
-        else:  # they wait for host-tier room (host_room_wait_s), which the write-behind frees
+        elif awaited:  # lookups waiting for host-tier room (host_room_wait_s): writes free it
             time.sleep(IDLE_WAIT_S)
 
     def _update_block_ids(self, so: SchedulerOutput) -> None:
