@@ -285,7 +285,6 @@ def test_a_peer_that_cannot_run_is_skipped_with_its_reason(tmp_path, monkeypatch
     assert results == []
 
 
-
 def test_kvstrata_config_may_size_kvstrata_s_host_tier_alone(tmp_path) -> None:
     # --kvstrata-config '{"host_bytes": ...}' used to fail every kvstrata configuration
     # (host_bytes given twice); now it sizes kvstrata's host tier while the peers keep --host-bytes.
@@ -303,6 +302,7 @@ def test_kvstrata_config_may_size_kvstrata_s_host_tier_alone(tmp_path) -> None:
     assert str(1 << 27) in json.dumps(cpu.kv_transfer_config)  # the peer keeps --host-bytes
     base.kvstrata_options = {}
     assert extra(configs.build_setup("kvstrata", base, tmp_path / "k"))[0]["host_bytes"] == 1 << 27
+
 
 @pytest.mark.slow
 def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:

@@ -109,7 +109,6 @@ def test_sync_loads_bad_value_names_the_key() -> None:
         StrataConfig.from_extra_config({"sync_loads": "sometimes"})
 
 
-
 @pytest.mark.parametrize(("value", "device", "seconds"), [
     ("auto", "cpu", 1.0), ("auto", "cuda", 0.1), ("auto", "xpu", 0.1),
     (0, "cpu", 0.0), (0.0, "cuda", 0.0), (2.5, "cpu", 2.5), ("0.25", "cuda", 0.25),
@@ -123,6 +122,7 @@ def test_host_room_wait_s(value: object, device: str, seconds: float) -> None:
 def test_host_room_wait_s_bad_value_names_the_key(value: object) -> None:
     with pytest.raises(ConfigError, match="host_room_wait_s"):
         StrataConfig.from_extra_config({"host_room_wait_s": value})
+
 
 def test_io_threads_auto_is_one_per_usable_core_at_most_four(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvstrata.config as config

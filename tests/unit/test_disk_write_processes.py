@@ -249,7 +249,6 @@ def test_the_put_process_evicts_by_last_access_and_reports_what_it_evicted(tmp_p
         assert stats["stored_bytes"] <= budget
 
 
-
 def _frame_sizes(tmp_path: Path) -> dict[bytes, int]:
     with DiskStore(tmp_path / "probe", budget_bytes=1 << 30) as probe:
         probe.put_many([(k(i), value(i), "bfloat16") for i in range(6)])
@@ -303,6 +302,7 @@ def test_a_new_put_process_gets_every_buffered_tick(tmp_path: Path, slab) -> Non
             assert read(s, k(4), SLOT) == value(4).tobytes()
     finally:
         other.close()
+
 
 def test_a_put_process_that_dies_leaves_the_puts_to_the_writer_thread(tmp_path: Path, slab) -> None:
     with DiskStore(tmp_path / "db", budget_bytes=1 << 30) as s:

@@ -387,7 +387,6 @@ def test_promotions_that_do_not_all_fit_take_the_slots_there_are_in_order(env):
     h2.complete_load(keys[:4])
 
 
-
 def test_a_lookup_that_may_wait_for_room_asks_again_instead_of_missing(env):
     """With ``wait_for_room`` (``host_room_wait_s``) the chunks of a run the host tier has no
     slot for answer PENDING: the request asks again, and once the slots' holders let go (stores
@@ -422,6 +421,7 @@ def test_a_lookup_that_may_wait_for_room_asks_again_instead_of_missing(env):
     h3 = env.hier(disk, slots=4)  # the run (10 chunks) never fits: no wait
     assert h3.lookup_many(keys, prefix=True, wait_for_room=True) == [PENDING] * 4 + [MISS] * 6
     assert h3.stats()["promote_room_waits"] == 0 and h3.stats()["promote_no_room"] >= 1
+
 
 def test_holds_many_of_a_run_asks_the_disk_only_up_to_its_first_miss(env):
     """Where a deferred lookup's hit will end (the held start of its run) is asked as a prefix

@@ -196,7 +196,6 @@ def test_the_tail_is_stored_in_the_step_that_completes_the_prompt() -> None:
     assert (t.chunk_index, t.block_ids) == (1, (5, 6, 7))
 
 
-
 def test_a_refused_tail_is_stored_again_while_decoding_is_inside_its_chunk() -> None:
     """The host tier had no room in the step that completed the prompt (100 tokens, the tail
     96..100 in block 7): the same transfers in every later step whose computed tokens are
@@ -226,6 +225,7 @@ def test_a_refused_tail_is_stored_again_while_decoding_is_inside_its_chunk() -> 
     assert (t.chunk_index, t.block_ids) == (1, (5, 6, 7))
     assert plan_prompt_tail_store_again(bpc4, num_prompt_tokens=100, num_computed_tokens=128,
                                         block_ids={0: [*blocks[0], 8, 9]}, tail_keys=TAILS) == []
+
 
 def test_the_answer_tail_is_the_chunk_holding_the_end_of_the_written_kv() -> None:
     """At a finish with the answer offloaded: 100 prompt tokens and 19 written past them (119)

@@ -214,7 +214,6 @@ def test_a_lookup_promotes_nothing_past_the_first_missing_chunk(runners, tmp_pat
     assert second.load_errors == []
 
 
-
 @pytest.mark.parametrize("wait", ["no-wait", "until-room", "until-deadline"])
 def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: Path, wait: str) -> None:
     """Every host slot but two is held (stores in flight) when a restarted engine's request
@@ -262,6 +261,7 @@ def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: 
         if wait == "until-deadline":
             assert time.monotonic() - started >= wait_s
         hierarchy.complete_store(pinned, success=False)
+
 
 def test_a_request_vllm_looks_up_at_every_step_offers_its_chunks_once(runners) -> None:
     """Disk admission (``admission: 3``: written once offered three times) counts requests: a

@@ -40,7 +40,6 @@ def test_partial_tail_served_from_disk_after_restart(runners, tmp_path: Path) ->
     assert second.connector.scheduler.hierarchy.stats()["promotions_completed"] > 0
 
 
-
 def test_partial_tail_of_a_request_that_finishes_at_its_boundary(runners) -> None:
     """A request that ends right after the prefill chunk that stops at its replay boundary (28),
     before the next chunk's copy-on-write hands the Mamba state off, offers that state through
@@ -111,7 +110,6 @@ def test_prompt_tail_is_stored_and_served(runners, max_tokens: int) -> None:
     assert store_then_serve(r, token_prompt(100), max_tokens=max_tokens) == 100
 
 
-
 @pytest.mark.parametrize("groups", [[G("full", 16)], [G("full", 16), G("sw", 16, window=32)]],
                          ids=["fa", "fa-sw"])
 @pytest.mark.parametrize("max_tokens", [6, 1], ids=["decoding", "finished"])
@@ -140,6 +138,7 @@ def test_a_prompt_tail_the_host_tier_had_no_room_for_is_stored_while_decoding(ru
     assert r.serve(prompt, 1) == (whole if max_tokens > 1 else 96)
     assert r.load_errors == [], r.load_errors
     assert r.stats.data["late_tail_stores"] == (1 if max_tokens > 1 else 0)
+
 
 def test_prompt_tail_names_its_exact_tokens(runners) -> None:
     """Same chunks, another last token: the tail is not served (to that prompt, nor to one that
