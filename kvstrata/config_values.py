@@ -204,24 +204,20 @@ def dir_mode(key: str, value: Any) -> int:
 def non_negative_seconds(key: str, value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
         return 0.0
-    try:
-        seconds = None if value is None else optional_seconds(key, value)
-    except ConfigError:
-        seconds = None
-    if seconds is None:
-        raise ConfigError(
-            f"kvstrata option {key!r}: expected a finite number of seconds, 0 or more, got {shown(value)}")
-    return seconds
+    return _seconds(key, value, "a finite number of seconds, 0 or more")
 
 
 def positive_seconds(key: str, value: Any) -> float:
+    return _seconds(key, value, "a positive finite number of seconds")
+
+
+def _seconds(key: str, value: Any, expected: str) -> float:
     try:
         seconds = None if value is None else optional_seconds(key, value)
     except ConfigError:
         seconds = None
     if seconds is None:
-        raise ConfigError(
-            f"kvstrata option {key!r}: expected a positive finite number of seconds, got {shown(value)}")
+        raise ConfigError(f"kvstrata option {key!r}: expected {expected}, got {shown(value)}")
     return seconds
 
 
