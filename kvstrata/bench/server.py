@@ -331,6 +331,8 @@ KVSTRATA_SERIES = {
     # again while their request waited for one (host_room_wait_s).
     "promotions_no_room": "vllm:kvstrata_promotions_no_room",
     "promotion_room_waits": "vllm:kvstrata_promotion_room_waits",
+    # Chunks pinned for requests whose lookup waited, until they loaded them.
+    "waiting_holds": "vllm:kvstrata_waiting_holds",
     # Seconds from a load's submission to its end in the workers (a streamed one's wait for
     # chunks landing from disk included).
     "load_seconds": "vllm:kvstrata_load_seconds_total",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from itertools import compress, repeat
-from operator import is_
+from operator import is_, is_not
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -86,6 +86,7 @@ class LookupMixin:
             self.stats.lookup_deferrals += 1
             return None, False
         pending: list[bytes] = []
+        found: list[bytes] = []  # answered HIT or PENDING, in probe order: held if it waits
         # Chunks this lookup answered HIT so far: a later probe of the same lookup (another
         # group, a tail) must not evict them to make room for a promotion.
         answered: set[bytes] = set()
@@ -98,6 +99,7 @@ class LookupMixin:
                 offered=st.offered, defer_promotions=True, wait_for_room=wait_for_room))
             # With C-level iteration: a long prompt's probe is hundreds of keys, every step.
             answered.update(compress(keys, map(is_, answers, repeat(Presence.HIT))))
+            found.extend(compress(keys, map(is_not, answers, repeat(Presence.MISS))))
             if Presence.PENDING in answers:
                 pending.extend(compress(keys, map(is_, answers, repeat(Presence.PENDING))))
             if self.events is not None and self.events.self_describing:
@@ -154,7 +156,10 @@ class LookupMixin:
             self.stats.lookup_deferrals += 1
             st.awaiting = pending
             self._awaiting.add(request.request_id)
+            self._hold(st, found)
             return None, False
+        if not hit:
+            self._release_held(st)
         st.awaiting = []
         self._awaiting.discard(request.request_id)
         self.stats.observe_lookup_delay(time.monotonic() - st.lookup_started)
@@ -170,6 +175,16 @@ class LookupMixin:
                         and (self.sync_loads_wait_for_disk or not self.stream_loads
                              or not self.hierarchy.in_flight(list(answered))))
         return hit, hit > 0 and not st.sync_load
+
+    def _hold(self, st: RequestState, keys: list[bytes]) -> None:
+        """Pin what the request's deferred lookup found until it is looked up again and loads
+        it (``Hierarchy.hold``); the pins of its previous deferral are let go."""
+        held, st.held = st.held, self.hierarchy.hold(keys)
+        self.hierarchy.release_held(held)
+
+    def _release_held(self, st: RequestState) -> None:
+        held, st.held = st.held, []
+        self.hierarchy.release_held(held)
 
     def _tail_extension_hit(
         self, st: RequestState, request: Request, complete: int | None, local: int,
@@ -252,6 +267,9 @@ class LookupMixin:
     # -------------------------------------------------------------------- load
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         if num_external == 0:
+            waited = self._reqs.get(request.request_id)
+            if waited is not None and waited.held:  # its lookup found nothing to load after all
+                self._release_held(waited)
             return
         st = self._reqs[request.request_id]
         cached = st.num_local + num_external
@@ -302,13 +320,16 @@ class LookupMixin:
             tail_keys=tail_keys,
         )
         keys = [t.key for t in transfers]
-        if self.stream_loads:
-            # A synchronous load gets tickets too: on CPU engines its worker waits for chunks
-            # still landing before the forward; elsewhere its chunks were all in the host tier
-            # at the lookup (ticket 0), and one gone since (-1) fails it.
-            placed = self.hierarchy.prepare_streamed_load(keys)
-        else:
-            placed = [(slot, 0) for slot in self.hierarchy.prepare_load(keys)]
+        try:
+            if self.stream_loads:
+                # A synchronous load gets tickets too: on CPU engines its worker waits for
+                # chunks still landing before the forward; elsewhere its chunks were all in the
+                # host tier at the lookup (ticket 0), and one gone since (-1) fails it.
+                placed = self.hierarchy.prepare_streamed_load(keys)
+            else:
+                placed = [(slot, 0) for slot in self.hierarchy.prepare_load(keys)]
+        finally:
+            self._release_held(st)  # the load pinned what it needs
         copies = [
             ChunkCopy(t.group, slot, t.first_block_in_chunk, tuple(t.block_ids), ticket)
             for t, (slot, ticket) in zip(transfers, placed, strict=True)

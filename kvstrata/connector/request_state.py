@@ -49,6 +49,9 @@ class RequestState:
     # Chunks the last (deferred) lookup found still on their way into the host tier: until one
     # of them lands, the same lookup would defer again, so it is not re-run.
     awaiting: list[bytes] = field(default_factory=list)
+    # Chunks pinned in the host tier for this request while its lookup waits (and until its
+    # load is prepared): what the lookup found there or promoting into it (Hierarchy.hold).
+    held: list[bytes] = field(default_factory=list)
     # Where the last lookup's hit ends inside a block (a partial tail, R30), for the load plan.
     partial_boundary: int | None = None
     # The prompt's tail keys per group (semantics.prompt_tail), hashed once on first use; and

@@ -361,6 +361,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         st = self._reqs.get(request.request_id)
         if st is None:
             return False, None
+        if st.held:
+            self._release_held(st)
         # The final hash may have just appeared: the next build_connector_meta stores the tail
         # (finish-time tail promotion, R29/R38).
         self._refresh_keys(st)
@@ -386,6 +388,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         for st in self._reqs.values():
             st.jobs.clear()
             st.awaiting = []
+            if st.held:
+                self._release_held(st)
             st.partial_boundary = None
             for gs in st.groups.values():
                 gs.next_stored_chunk = 0
@@ -425,6 +429,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             "writes_behind": int(h.get("writes_completed", 0)),
             "promotions_no_room": int(h.get("promote_no_room", 0)),
             "promotion_room_waits": int(h.get("promote_room_waits", 0)),
+            "waiting_holds": int(h.get("waiting_holds", 0)),
         }
         r = h.get("tiers", {}).get(TIER_REMOTE)
         if r is not None and "error" not in r:

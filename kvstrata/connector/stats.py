@@ -54,6 +54,8 @@ GAUGES = (
     # Chunks a lower tier held that lookups found no host slot to promote: computed instead
     # (no_room), or asked for again while their request waited for room (host_room_wait_s).
     "promotions_no_room", "promotion_room_waits",
+    # Chunks pinned in the host tier for requests whose lookup waited, until they loaded them.
+    "waiting_holds",
     # Disk writes run on normal-priority threads to catch up, and the share of what the disk
     # was given that requests came back for (tiers/hierarchy/reuse.py).
     "disk_writes_urgent", "disk_write_reuse",

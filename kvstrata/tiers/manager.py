@@ -38,6 +38,13 @@ class TierManager(Protocol):
 
     def wait_promotions(self, keys: Sequence[bytes], timeout: float | None) -> bool: ...
 
+    def hold(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Pin chunks a waiting request's lookup found until it loads them (bounded; see
+        ``Hierarchy.hold``); returns the keys pinned."""
+        ...
+
+    def release_held(self, keys: Sequence[bytes]) -> None: ...
+
     def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
         """Host slots for the chunks to store (all or nothing); {} when all are present."""
         ...

@@ -251,6 +251,55 @@ class Hierarchy:
         a tier change (see ``background``); nothing without events. Returns at once."""
         self._background.announce()
 
+    def hold(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Pin chunks a waiting request's lookup found, in the host tier or promoting into it,
+        until the request is looked up again and loads them: a lookup that answers PENDING runs
+        again only when vLLM's scheduler reaches the request again, and meanwhile its landed
+        chunks would be idle slots that other requests' stores and promotions evict (a small
+        host tier then promotes the same chunks over and over: docs/BENCHMARKS.md, "Holding a
+        waiting request's chunks"). At most half the host tier's slots are held at once, first
+        come first held (a request's keys in prefix order); stores still in flight are not
+        held. Returns the keys pinned (a key once per pin): release them with
+        :meth:`release_held`."""
+        s = self._s
+        pool = self.pool
+        out: list[bytes] = []
+        with s.lock:
+            if s.closed:
+                return out
+            held = s.held
+            room = pool.num_slots // 2 - len(held)
+            for key in keys:
+                entry = pool.get(key)
+                if entry is None or not (entry[1] or key in s.promoting):
+                    continue
+                n = held.get(key, 0)
+                if not n:
+                    if room <= 0:
+                        s.counts["waiting_holds_capped"] += 1
+                        continue
+                    room -= 1
+                held[key] = n + 1
+                pool.acquire(key)
+                out.append(key)
+            s.counts["waiting_holds"] += len(out)
+        return out
+
+    def release_held(self, keys: Sequence[bytes]) -> None:
+        """Unpin chunks :meth:`hold` pinned (once per key returned)."""
+        if not keys:
+            return
+        s = self._s
+        with s.lock:
+            held = s.held
+            for key in keys:
+                n = held.get(key, 0)
+                if n <= 1:
+                    held.pop(key, None)
+                else:
+                    held[key] = n - 1
+            self._promoter.release(keys)
+
     def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
         """Host slots for the keys not present yet (they become PENDING), or None if the host
         tier cannot make room for all of them (nothing is allocated then)."""
@@ -354,7 +403,7 @@ class Hierarchy:
         with s.lock:
             out: dict[str, Any] = dict(s.counts)
             out.update(self._writes.stats(), promotions_inflight=len(s.promoting),
-                       stores_inflight=len(s.storing), host=self.pool.stats())
+                       stores_inflight=len(s.storing), chunks_held=len(s.held), host=self.pool.stats())
             writes = {link.name: {**{f"writes_{k}": v for k, v in link.writes.items()},
                                   "write_reuse": round(link.reuse.ratio, 3)} for link in s.links}
         tiers: dict[str, Any] = {}

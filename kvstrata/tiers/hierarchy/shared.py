@@ -33,7 +33,7 @@ COUNTERS = (
     "lookups", "lookup_hits", "lookup_pending", "stores_prepared", "stores_completed",
     "stores_failed", "store_no_room", "store_unknown", "loads_prepared", "loads_streamed",
     "promotions_started", "promotions_completed", "promotions_failed", "promote_no_room",
-    "promote_room_waits",
+    "promote_room_waits", "waiting_holds", "waiting_holds_capped",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
     "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed", "writes_retried",
     "writes_resumed", "writes_lost", "writes_urgent",
@@ -249,6 +249,8 @@ class Shared:
         self.closed = False
         self.storing: set[bytes] = set()  # prepare_store'd, not completed
         self.promoting: dict[bytes, str] = {}  # lower tier -> host in flight: key -> tier name
+        # Chunks pinned for requests whose lookup waits (``Hierarchy.hold``): key -> pins.
+        self.held: dict[bytes, int] = {}
         self.bad = FailedPromotions(retry_failed_after_s, clock)
         self.journal = Journal(events, shards=len(self.namespaces))
         # Offers of each chunk (stores, host hits), for the tiers' admission thresholds.
