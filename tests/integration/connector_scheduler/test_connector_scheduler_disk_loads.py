@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from connector_scheduler_helpers import (
+    assert_host_tier_released,
     slow_disk_reads,
     token_prompt,
 )
@@ -261,6 +262,73 @@ def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: 
         if wait == "until-deadline":
             assert time.monotonic() - started >= wait_s
         hierarchy.complete_store(pinned, success=False)
+
+
+def _restarted_over_a_stored_prompt(runners, tmp_path: Path, prompt: list[int], **extra) -> Runner:
+    store = tmp_path / "persist"
+    first = runners([G("full", 16)], store=store)
+    first.serve(prompt, 1)
+    first.close()
+    return runners([G("full", 16)], store=store, extra=extra)
+
+
+def _promotions_landed(r: Runner) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while r.connector.scheduler.hierarchy.stats()["promotions_inflight"]:
+        assert time.monotonic() < deadline, "promotions never landed"
+        time.sleep(0.01)
+
+
+def test_a_waiting_request_s_landed_chunks_are_kept_until_it_loads_them(runners, tmp_path: Path) -> None:
+    """Loads not streamed (vLLM's default kv_load_failure_policy "fail"): a restarted engine's
+    request waits while its 6 chunks promote, and is looked up again only when vLLM's scheduler
+    reaches it. Meanwhile other requests' stores want 12 of the host tier's 16 free slots: the
+    landed chunks are held for the request (the stores are refused), which is then served all
+    96 tokens from the 6 promotions, each promoted once. Watched failing without the holds
+    (the stores evicted 4 landed chunks; the request promoted them again, or computed them)."""
+    import os
+
+    prompt = token_prompt(96)  # chunk-aligned: no prompt tail
+    second = _restarted_over_a_stored_prompt(runners, tmp_path, prompt, stream_loads=False)
+    hierarchy = second.connector.scheduler.hierarchy
+    # Stores in flight hold every host slot but 16 throughout.
+    pinned = [os.urandom(28) + bytes(4) for _ in range(second.connector.scheduler.plan.num_slots - 16)]
+    assert hierarchy.prepare_store(pinned) is not None
+    req = second.add(prompt, 1)
+    second.step()  # the lookup defers; its promotions read once the step is scheduled
+    assert req.request_id not in second.loaded_tokens
+    _promotions_landed(second)
+    others = [os.urandom(28) + bytes(4) for _ in range(12)]
+    taken = hierarchy.prepare_store(others)
+    second.run_until_idle()
+    assert second.loaded_tokens[req.request_id] == 96
+    assert second.load_errors == []
+    stats = hierarchy.stats()
+    assert stats["promotions_started"] == 6 and stats["waiting_holds"] >= 6, stats
+    assert taken is None and stats["store_no_room"] == 1
+    assert stats["chunks_held"] == 0 and stats["host"]["referenced"] == len(pinned)
+    hierarchy.complete_store(pinned, success=False)
+    assert second.stats.data["hit_tokens_disk"] == 96
+
+
+def test_a_waiting_request_aborted_lets_go_of_its_held_chunks(runners, tmp_path: Path) -> None:
+    """A client disconnects while its request waits on promotions it holds: the holds go with
+    it, nothing stays pinned, and the next request with the prefix is served whole."""
+    from vllm.v1.request import RequestStatus
+
+    prompt = token_prompt(96)
+    second = _restarted_over_a_stored_prompt(runners, tmp_path, prompt, stream_loads=False)
+    req = second.add(prompt, 1)
+    second.step()
+    assert second.connector.scheduler.hierarchy.stats()["chunks_held"] == 6
+    second.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    _promotions_landed(second)
+    second.run_until_idle()
+    assert_host_tier_released(second)
+    assert second.serve(prompt, 1) == 96
+    assert second.load_errors == []
 
 
 def test_a_request_vllm_looks_up_at_every_step_offers_its_chunks_once(runners) -> None:
