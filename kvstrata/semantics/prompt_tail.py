@@ -146,16 +146,12 @@ def plan_prompt_tail_store(
     step. Nothing when the prompt is not completed by this step, when a request cap forbids
     offloading the whole prompt, or when a tail block is not allocated (the null block).
     """
-    start = prompt_tail_start(layout, num_prompt_tokens)
-    if (
-        tail_keys is None
-        or start is None
-        or not completes_prompt(num_prompt_tokens=num_prompt_tokens, computed_before=computed_before,
-                                computed_after=computed_after)
-        or (max_offload_tokens is not None and max_offload_tokens < num_prompt_tokens)
-    ):
+    tail = _storable_tail(layout, num_prompt_tokens, tail_keys, max_offload_tokens)
+    if tail is None or not completes_prompt(num_prompt_tokens=num_prompt_tokens, computed_before=computed_before,
+                                            computed_after=computed_after):
         return []
-    return _tail_transfers(layout, start, num_prompt_tokens, block_ids, tail_keys)
+    start, keys = tail
+    return _tail_transfers(layout, start, num_prompt_tokens, block_ids, keys)
 
 
 def plan_prompt_tail_store_again(
@@ -177,16 +173,21 @@ def plan_prompt_tail_store_again(
     is the bound that keeps them the request's latest ones), nor when a block is no longer
     allocated (the adapter nulls a windowed block given to another request).
     """
-    start = prompt_tail_start(layout, num_prompt_tokens)
-    if (
-        tail_keys is None
-        or start is None
-        or num_computed_tokens < num_prompt_tokens
-        or num_computed_tokens >= start + layout.groups[0].tokens_per_chunk
-        or (max_offload_tokens is not None and max_offload_tokens < num_prompt_tokens)
-    ):
+    tail = _storable_tail(layout, num_prompt_tokens, tail_keys, max_offload_tokens)
+    if tail is None or not num_prompt_tokens <= num_computed_tokens < tail[0] + layout.groups[0].tokens_per_chunk:
         return []
-    return _tail_transfers(layout, start, num_prompt_tokens, block_ids, tail_keys)
+    start, keys = tail
+    return _tail_transfers(layout, start, num_prompt_tokens, block_ids, keys)
+
+
+def _storable_tail(layout: Layout, num_prompt_tokens: int, tail_keys: Mapping[int, bytes] | None,
+                   max_offload_tokens: int | None) -> tuple[int, Mapping[int, bytes]] | None:
+    """Where the prompt's tail chunk starts, and its keys, if the prompt has a tail and no
+    request cap forbids offloading the whole prompt; else None."""
+    start = prompt_tail_start(layout, num_prompt_tokens)
+    if tail_keys is None or start is None or (max_offload_tokens is not None and max_offload_tokens < num_prompt_tokens):
+        return None
+    return start, tail_keys
 
 
 def plan_answer_tail_store(
