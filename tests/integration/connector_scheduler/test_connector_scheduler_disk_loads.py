@@ -313,20 +313,31 @@ def test_a_waiting_request_s_landed_chunks_are_kept_until_it_loads_them(runners,
     assert second.stats.data["hit_tokens_disk"] == 96
 
 
-def test_a_waiting_request_aborted_lets_go_of_its_held_chunks(runners, tmp_path: Path) -> None:
-    """A client disconnects while its request waits on promotions it holds: the holds go with
-    it, nothing stays pinned, and the next request with the prefix is served whole."""
+@pytest.mark.parametrize("end", ["abort", "reset"])
+def test_a_waiting_request_s_holds_go_with_it_or_with_the_cache(runners, tmp_path: Path, end: str) -> None:
+    """A client disconnects while its request waits on promotions it holds, or the prefix cache
+    is reset (``reset_prefix_cache(reset_connector=True)``): the holds go, nothing stays pinned
+    (the reset empties the host tier), and a request with the prefix is served whole."""
     from vllm.v1.request import RequestStatus
 
     prompt = token_prompt(96)
     second = _restarted_over_a_stored_prompt(runners, tmp_path, prompt, stream_loads=False)
+    hierarchy = second.connector.scheduler.hierarchy
     req = second.add(prompt, 1)
     second.step()
-    assert second.connector.scheduler.hierarchy.stats()["chunks_held"] == 6
-    second.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert hierarchy.stats()["chunks_held"] == 6
     _promotions_landed(second)
+    if end == "abort":
+        second.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    else:
+        second.connector.reset_cache()
+        st = hierarchy.stats()
+        assert st["chunks_held"] == 0 and st["host"]["used"] == 0, st
     second.run_until_idle()
     assert_host_tier_released(second)
+    if end == "reset":  # the request goes on: promoted again and served
+        assert second.loaded_tokens[req.request_id] == 96
+        second.drop_gpu_prefix_cache()
     assert second.serve(prompt, 1) == 96
     assert second.load_errors == []
 
