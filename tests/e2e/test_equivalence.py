@@ -169,6 +169,8 @@ def test_disk_loads_stream_only_under_the_recompute_policy(
         scenarios: Callable[[str], Scenario], case: str, streamed: bool) -> None:
     step = scenarios(case).step("eq_disk")
     assert (metric(step, "kvstrata_streamed_loads") > 0) is streamed, dump(step["metrics"])
+    if not streamed:  # lookups waited on promotions, holding what they found meanwhile
+        assert metric(step, "kvstrata_waiting_holds") > 0, dump(step["metrics"])
 
 
 @pytest.mark.slow
