@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstrata.bench import steps
 from kvstrata.bench.client import RequestResult
 
 KVSTRATA = "kvstrata"
@@ -140,6 +141,7 @@ def pooled(runs: Sequence[tuple[dict[str, Any], Sequence[RequestResult]]]) -> di
                 summed[k] = summed.get(k, 0.0) + v
         if summed:
             out[key] = summed
+    out["engine_steps"] = steps.combine(f.get("engine_steps") for f in figs)
     out["clean_stop"] = all(f.get("clean_stop") is not False for f in figs)
     out["tracebacks"] = sum(int(f.get("tracebacks", 0)) for f in figs)
     out["shutdown_tracebacks"] = sum(int(f.get("shutdown_tracebacks", 0)) for f in figs)

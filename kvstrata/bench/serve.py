@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench import report
+from kvstrata.bench import report, steps
 from kvstrata.bench.configs import CONFIGS, BaseSettings, build_setup, min_kv_cache_bytes
 from kvstrata.bench.e2e import json_object
 from kvstrata.bench.peers import PeerUnavailable
@@ -263,6 +263,7 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
         fig["tracebacks"] = sum("Traceback" in p for p in serving)
         fig["shutdown_tracebacks"] = sum("Traceback" in p for p in stopping)
         fig["log_problems"] = (serving + stopping)[:6]
+        fig["engine_steps"] = steps.combine(steps.log_steps(s.log) for s in servers)
         fig.update(setup.close())
     fig["stores_clean_shutdown"] = _stores_clean(setup.stores)
     if not keep_stores:

@@ -69,6 +69,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     shutdown_timeout_s: int = 30
+    log_steps: bool = True
 
     def command(self, port: int) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -84,6 +85,8 @@ class ServerSpec:
                # vLLM's default (0) kills the engine core at SIGTERM before a connector's
                # shutdown runs (README, "Use it").
                "--shutdown-timeout", str(self.shutdown_timeout_s)]
+        if self.log_steps:  # one log line per engine step: the report's engine_steps (steps.py)
+            cmd.append("--enable-logging-iteration-details")
         cmd.append("--enable-prefix-caching" if self.enable_prefix_caching
                    else "--no-enable-prefix-caching")
         if self.dtype:

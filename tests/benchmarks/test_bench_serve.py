@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench import configs, report, serve, server
+from kvstrata.bench import configs, report, serve, server, steps
 from kvstrata.bench.client import RequestResult, SeenPrefixes, common_prefix
 from kvstrata.bench.peers import PeerUnavailable
 from kvstrata.bench.server import (
@@ -164,7 +164,8 @@ def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
                "hit_tokens": {"kvstrata_disk": 256.0}, **extra}
         return fig, results
 
-    first = run([1.0, 3.0], 2.0, computed_tokens=120)
+    first = run([1.0, 3.0], 2.0, computed_tokens=120,
+                engine_steps={"steps": 4, "context_tokens": 120, "max_running": 2})
     second = run([2.0, 6.0, 10.0], 4.0, kvstrata={"store_jobs": 2.0}, computed_tokens=80)
     fig = report.pooled([first, second, ({"failed": "no start"}, [])])
     assert fig["computed_tokens"] == 200 and fig["floor_tokens"] == 500  # 5 cold 100-token prompts
@@ -175,6 +176,7 @@ def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
     assert fig["ttft_samples_s"] == [1.0, 3.0, 2.0, 6.0, 10.0]
     assert fig["hit_tokens"] == {"kvstrata_disk": 512.0} and fig["kvstrata"] == {"store_jobs": 2.0}
     assert fig["shutdown_tracebacks"] == 2 and fig["clean_stop"] and fig["stores_clean_shutdown"]
+    assert fig["engine_steps"]["steps"] == 4 and fig["engine_steps"]["max_running"] == 2
     second[0]["clean_stop"] = False
     assert report.pooled([first, second])["clean_stop"] is False
     second[0]["computed_tokens"] = None  # one run without vLLM's counters: no sum
@@ -256,6 +258,42 @@ def test_request_phases_are_deltas_of_vllms_histograms() -> None:
         'vllm:request_prefill_time_seconds_sum{engine="0"} 0.9',
         'vllm:request_prefill_time_seconds_count{engine="0"} 3.0']))
     assert phase_sums(before, after) == {"queue": (6.0, 3.0), "prefill": (0.9, 3.0)}
+
+
+# Lines of a kvstrata server's log (bench serve, SmolLM2, 2026-12-06) as vLLM 0.32 writes them
+# with --enable-logging-iteration-details, among lines that are not steps.
+_STEP_LOG = """\
+(APIServer pid=28392) INFO 12-06 19:04:35 [api_utils.py:286] non-default args: {'enable_logging_iteration_details': True}
+(APIServer pid=28392) INFO 12-06 19:05:00 [loggers.py:199] Engine 000: Iteration(0): 1 context requests, 2048 context tokens, 0 generation requests, 0 generation tokens, iteration elapsed time: 2414.60 ms, CPU KV cache usage: 23.2%
+(APIServer pid=28392) INFO 12-06 19:05:03 [loggers.py:199] Engine 000: Iteration(1): 2 context requests, 2048 context tokens, 0 generation requests, 0 generation tokens, iteration elapsed time: 2874.66 ms, CPU KV cache usage: 47.8%
+(APIServer pid=28392) INFO 12-06 19:05:05 [loggers.py:199] Engine 000: Iteration(2): 1 context requests, 1029 context tokens, 1 generation requests, 1 generation tokens, iteration elapsed time: 1880.09 ms, CPU KV cache usage: 60.9%
+(APIServer pid=28392) INFO 12-06 19:05:05 [loggers.py:199] Engine 000: Iteration(3): 0 context requests, 0 context tokens, 2 generation requests, 2 generation tokens, iteration elapsed time: 126.56 ms, CPU KV cache usage: 60.9%
+(APIServer pid=28392) INFO 12-06 19:05:05 [loggers.py:199] Engine 000: Iteration(4): 0 context requests, 0 context tokens, 2 generation requests, 2 generation tokens, iteration elapsed time: 63.26 ms, CPU KV cache usage: 60.9%
+(APIServer pid=28392) INFO 12-06 19:05:09 [loggers.py:257] Engine 000: Avg prompt throughput: 538.1 tokens/s
+"""
+
+
+def test_engine_steps_are_read_from_the_servers_iteration_lines(tmp_path) -> None:
+    log = tmp_path / "kvstrata_0.log"
+    log.write_text(_STEP_LOG)
+    fig = steps.log_steps(log)
+    assert fig == {"steps": 5, "prefill_steps": 3, "shared_prefill_steps": 1, "decode_only_steps": 2,
+                   "context_tokens": 5125, "generation_tokens": 5, "prefill_step_s": 7.169,
+                   "decode_only_s": 0.19, "max_running": 2}
+    # A log without step lines (a server started without them) or none at all: no figures.
+    assert steps.summarise_steps(_STEP_LOG.splitlines()[:1]) is None
+    assert steps.log_steps(tmp_path / "missing.log") is None
+    # Two servers (or runs) of one configuration: summed, the most running at once kept.
+    other = {**fig, "max_running": 3, "steps": 1}
+    both = steps.combine([fig, None, other])
+    assert both is not None and both["steps"] == 6 and both["max_running"] == 3
+    assert both["context_tokens"] == 10250 and both["prefill_step_s"] == 14.338
+    assert steps.combine([None, None]) is None
+    # Every server the bench starts logs its steps; a spec may opt out.
+    spec = ServerSpec(model="m", kv_cache_bytes=1 << 20)
+    assert "--enable-logging-iteration-details" in spec.command(8000)
+    spec.log_steps = False
+    assert "--enable-logging-iteration-details" not in spec.command(8000)
 
 
 def test_charts_are_png(tmp_path) -> None:
@@ -345,6 +383,12 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
             assert all(isinstance(c, int) and 0 <= c < n for c, n in cached), cached
             assert sum(c for c, _ in cached) <= fig["prompt_tokens"] - fig["computed_tokens"], (cached, fig)
             assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
+            # The engine's steps computed what vLLM's counters say it computed, and decoded
+            # every answer token but the first of each request (which its last prefill makes).
+            eng = fig["engine_steps"]
+            assert eng["context_tokens"] == fig["computed_tokens"], (eng, fig)
+            assert eng["generation_tokens"] == fig["output_tokens"] - fig["requests"], (eng, fig)
+            assert eng["prefill_steps"] >= 1 and 1 <= eng["max_running"] <= 2, eng
         assert run["configs"]["kvstrata"]["stores_clean_shutdown"] is True
     # Each configuration's stores are deleted once checked (no --keep-stores); the logs stay.
     for i, run in enumerate(("run_1", "run_2")):

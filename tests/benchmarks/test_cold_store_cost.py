@@ -34,5 +34,6 @@ def test_cold_prompts_on_a_tiny_model_report_each_configuration(capsys) -> None:
     for name in ("kvstrata", "vllm"):
         [run] = result["runs"][name]
         assert len(run["ttft_s"]) == 2 and all(t > 0 for t in run["ttft_s"]), run
+        assert run["first_ttft_s"] > 0, run  # the warm-up's, reported apart
         assert result["ttft_median_s"][name] == run["ttft_median_s"] > 0
         assert run["cpu_s"]["total"] > 0, run

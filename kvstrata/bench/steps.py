@@ -1,0 +1,78 @@
+"""The engine's steps, from a server's log: what ``bench serve`` reports as ``engine_steps``.
+
+Each server runs with vLLM's ``--enable-logging-iteration-details``, which logs one line per
+engine step that scheduled tokens (``Engine 000: Iteration(N): C context requests, T context
+tokens, G generation requests, ...``). Summed per configuration, the lines say where a run's time
+went inside the engine: steps that prefilled (and how many shared a step with another request's
+prefill), steps that only decoded, the prompt tokens the engine computed (which should agree with
+``computed_tokens`` from vLLM's counters), and how many requests ran at once, the bound a small
+device KV cache puts on a workload (docs/BENCHMARKS.md, "Inside the engine's steps").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+_STEP = re.compile(
+    r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
+    r"(\d+) generation requests, (\d+) generation tokens, iteration elapsed time: ([\d.]+) ms")
+
+SUMMED = ("steps", "prefill_steps", "shared_prefill_steps", "decode_only_steps", "context_tokens",
+          "generation_tokens", "prefill_step_s", "decode_only_s")
+
+
+def summarise_steps(lines: Iterable[str]) -> dict[str, Any] | None:
+    """The step figures of one log's lines; None when it has no step line (the server ran
+    without iteration details, or served nothing)."""
+    out: dict[str, Any] = dict.fromkeys(SUMMED, 0)
+    out["max_running"] = 0
+    found = False
+    for line in lines:
+        m = _STEP.search(line)
+        if m is None:
+            continue
+        found = True
+        ctx_reqs, ctx_tokens, gen_reqs, gen_tokens = (int(g) for g in m.groups()[:4])
+        elapsed_s = float(m.group(5)) / 1000.0
+        out["steps"] += 1
+        out["context_tokens"] += ctx_tokens
+        out["generation_tokens"] += gen_tokens
+        out["max_running"] = max(out["max_running"], ctx_reqs + gen_reqs)
+        if ctx_reqs:
+            out["prefill_steps"] += 1
+            out["prefill_step_s"] += elapsed_s
+            if ctx_reqs > 1:
+                out["shared_prefill_steps"] += 1
+        else:
+            out["decode_only_steps"] += 1
+            out["decode_only_s"] += elapsed_s
+    if not found:
+        return None
+    for key in ("prefill_step_s", "decode_only_s"):
+        out[key] = round(out[key], 3)
+    return out
+
+
+def log_steps(log: Path) -> dict[str, Any] | None:
+    """:func:`summarise_steps` of a server's log file (None if it cannot be read)."""
+    try:
+        with open(log, errors="replace") as f:
+            return summarise_steps(f)
+    except OSError:
+        return None
+
+
+def combine(figures: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Several servers' or runs' step figures as one: counts and seconds summed, the most
+    requests running at once the largest of them. None when none has any."""
+    have = [f for f in figures if f]
+    if not have:
+        return None
+    out: dict[str, Any] = {k: sum(f.get(k, 0) for f in have) for k in SUMMED}
+    for key in ("prefill_step_s", "decode_only_s"):
+        out[key] = round(out[key], 3)
+    out["max_running"] = max(int(f.get("max_running", 0)) for f in have)
+    return out
