@@ -7,11 +7,17 @@ went inside the engine: steps that prefilled (and how many shared a step with an
 prefill), steps that only decoded, the prompt tokens the engine computed (which should agree with
 ``computed_tokens`` from vLLM's counters), and how many requests ran at once, the bound a small
 device KV cache puts on a workload (docs/BENCHMARKS.md, "Inside the engine's steps").
+
+``decode_step_ms`` is the median decode-only step with a full batch (the most requests any
+decode-only step ran): the same model step whatever a cache serves, so it tells how fast the
+machine was while a configuration ran; on a shared VM that moves by 10-40 % from minute to minute
+(docs/BENCHMARKS.md, "The pair three times, every peer twice, and the VM's slow minutes").
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,13 +36,15 @@ def summarise_steps(lines: Iterable[str]) -> dict[str, Any] | None:
     out: dict[str, Any] = dict.fromkeys(SUMMED, 0)
     out["max_running"] = 0
     found = False
+    decode: list[tuple[int, float]] = []  # (requests, ms) of each decode-only step
     for line in lines:
         m = _STEP.search(line)
         if m is None:
             continue
         found = True
         ctx_reqs, ctx_tokens, gen_reqs, gen_tokens = (int(g) for g in m.groups()[:4])
-        elapsed_s = float(m.group(5)) / 1000.0
+        elapsed_ms = float(m.group(5))
+        elapsed_s = elapsed_ms / 1000.0
         out["steps"] += 1
         out["context_tokens"] += ctx_tokens
         out["generation_tokens"] += gen_tokens
@@ -49,10 +57,15 @@ def summarise_steps(lines: Iterable[str]) -> dict[str, Any] | None:
         else:
             out["decode_only_steps"] += 1
             out["decode_only_s"] += elapsed_s
+            decode.append((gen_reqs, elapsed_ms))
     if not found:
         return None
     for key in ("prefill_step_s", "decode_only_s"):
         out[key] = round(out[key], 3)
+    full = max((n for n, _ in decode), default=0)
+    out["decode_step_running"] = full
+    out["decode_step_ms"] = (round(statistics.median(ms for n, ms in decode if n == full), 2)
+                             if decode else None)
     return out
 
 
@@ -67,7 +80,8 @@ def log_steps(log: Path) -> dict[str, Any] | None:
 
 def combine(figures: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Several servers' or runs' step figures as one: counts and seconds summed, the most
-    requests running at once the largest of them. None when none has any."""
+    requests running at once the largest of them, ``decode_step_ms`` the median of theirs (a
+    machine-speed probe, not a sum). None when none has any."""
     have = [f for f in figures if f]
     if not have:
         return None
@@ -75,4 +89,7 @@ def combine(figures: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
     for key in ("prefill_step_s", "decode_only_s"):
         out[key] = round(out[key], 3)
     out["max_running"] = max(int(f.get("max_running", 0)) for f in have)
+    out["decode_step_running"] = max(int(f.get("decode_step_running") or 0) for f in have)
+    probes = [f["decode_step_ms"] for f in have if f.get("decode_step_ms") is not None]
+    out["decode_step_ms"] = round(statistics.median(probes), 2) if probes else None
     return out

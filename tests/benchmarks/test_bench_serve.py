@@ -279,15 +279,27 @@ def test_engine_steps_are_read_from_the_servers_iteration_lines(tmp_path) -> Non
     fig = steps.log_steps(log)
     assert fig == {"steps": 5, "prefill_steps": 3, "shared_prefill_steps": 1, "decode_only_steps": 2,
                    "context_tokens": 5125, "generation_tokens": 5, "prefill_step_s": 7.169,
-                   "decode_only_s": 0.19, "max_running": 2}
+                   "decode_only_s": 0.19, "max_running": 2,
+                   "decode_step_running": 2, "decode_step_ms": 94.91}
+    # The machine-speed probe is the median of the full-batch decode-only steps only: a step
+    # that decoded fewer requests (a batch draining) is left out.
+    draining = _STEP_LOG.splitlines()[5].replace("Iteration(4)", "Iteration(5)").replace(
+        "2 generation requests, 2 generation tokens", "1 generation requests, 1 generation tokens"
+    ).replace("63.26 ms", "10.00 ms")
+    probe = steps.summarise_steps([*_STEP_LOG.splitlines(), draining])
+    assert probe is not None and probe["decode_only_steps"] == 3 and probe["decode_step_ms"] == 94.91
+    # Prefill steps only: no decode step to time.
+    prefill_only = steps.summarise_steps(_STEP_LOG.splitlines()[:3])
+    assert prefill_only is not None and prefill_only["decode_step_ms"] is None
     # A log without step lines (a server started without them) or none at all: no figures.
     assert steps.summarise_steps(_STEP_LOG.splitlines()[:1]) is None
     assert steps.log_steps(tmp_path / "missing.log") is None
     # Two servers (or runs) of one configuration: summed, the most running at once kept.
-    other = {**fig, "max_running": 3, "steps": 1}
-    both = steps.combine([fig, None, other])
-    assert both is not None and both["steps"] == 6 and both["max_running"] == 3
-    assert both["context_tokens"] == 10250 and both["prefill_step_s"] == 14.338
+    other = {**fig, "max_running": 3, "steps": 1, "decode_step_ms": 45.09}
+    both = steps.combine([fig, None, other, prefill_only])
+    assert both is not None and both["steps"] == 8 and both["max_running"] == 3
+    assert both["decode_step_ms"] == 70.0  # the median of the probes that have one
+    assert both["context_tokens"] == 14346 and both["prefill_step_s"] == 19.627
     assert steps.combine([None, None]) is None
     # Every server the bench starts logs its steps; a spec may opt out.
     spec = ServerSpec(model="m", kv_cache_bytes=1 << 20)
@@ -389,6 +401,7 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
             assert eng["context_tokens"] == fig["computed_tokens"], (eng, fig)
             assert eng["generation_tokens"] == fig["output_tokens"] - fig["requests"], (eng, fig)
             assert eng["prefill_steps"] >= 1 and 1 <= eng["max_running"] <= 2, eng
+            assert eng["decode_only_steps"] == 0 or eng["decode_step_ms"] > 0, eng
         assert run["configs"]["kvstrata"]["stores_clean_shutdown"] is True
     # Each configuration's stores are deleted once checked (no --keep-stores); the logs stay.
     for i, run in enumerate(("run_1", "run_2")):
