@@ -17,7 +17,14 @@ import redis
 
 from kvstrata.tools.redis_local import START_TIMEOUT_S, RedisServer, cli_binary, free_port
 
-__all__ = ["PasswordRedisServer", "RedisCluster", "RedisServer", "TLSRedisServer", "free_port", "make_ca"]
+# The timeouts of a store whose calls are meant to succeed. A loaded 2-core CI machine can leave
+# the tier's event-loop thread unscheduled for over a second: with a 1 s connect timeout a round
+# trip to a healthy server on 127.0.0.1 once stored 0 of 3 values ("Timeout connecting to
+# server"). Tests about timeouts and outages set their own, tight ones.
+PATIENT_TIMEOUTS: dict[str, float] = dict(connect_timeout_s=5.0, timeout_s=5.0, write_timeout_s=5.0)
+
+__all__ = ["PATIENT_TIMEOUTS", "PasswordRedisServer", "RedisCluster", "RedisServer", "TLSRedisServer",
+           "free_port", "make_ca"]
 
 
 def make_ca(workdir: Path, name: str) -> tuple[Path, Path, Path]:

@@ -94,7 +94,8 @@ def test_salts_secrets_and_a_disguised_checkpoint_never_share_or_forge_a_hit(
     fake_dir = CASE.build(tmp_path / "fake", 1)  # other weights, same names and sizes
     real_aside = tmp_path / "real-aside"
     key_a = _secret(tmp_path / "a.key", "replica-secret-A-0123456789abcdef")
-    remote = {"remote_url": redis_server.url, "remote_timeout_s": 1.0}
+    # Timeouts above the connector's: a loaded CI machine's starved loop thread is not an outage.
+    remote = {"remote_url": redis_server.url, "remote_connect_timeout_s": 1.0, "remote_timeout_s": 1.0}
     with_a = {**remote, "remote_auth_key_file": key_a, "auth_key_file": key_a}  # disk records too
 
     def engine(store: str | None, extra: dict[str, Any]) -> dict[str, Any]:

@@ -69,11 +69,11 @@ def _check(refs: dict, step: dict, prompts: list[list[int]]) -> None:
 def test_a_chunk_of_one_engine_is_served_to_another_through_redis(tmp_path: Path, redis_server: RedisServer) -> None:
     t0 = time.monotonic()
     model_dir = CASE.build(tmp_path / "model", 0)
-    # A lookup deadline above the connector's 0.45 s: on a loaded 2-core CI machine the engine's
-    # remote loop thread can wait that long for a core, and an opened breaker here would turn
-    # the hits this test checks into misses (failures are tests/remote's subject; the hang
-    # below opens it all the same).
-    remote = {"remote_url": redis_server.url, "remote_timeout_s": 1.0}
+    # Connect and reply timeouts above the connector's 0.2 + 0.25 s: on a loaded 2-core CI
+    # machine the engine's remote loop thread can wait that long for a core, and an opened
+    # breaker here would turn the hits this test checks into misses (failures are tests/remote's
+    # subject; the hang below opens it all the same).
+    remote = {"remote_url": redis_server.url, "remote_connect_timeout_s": 1.0, "remote_timeout_s": 1.0}
     reference = {"engine": asdict(CASE.options(model_dir, None)), "steps": [
         reference_step("ref", SHARED + HUNG + HUNG_LATER, EQ_MAX_TOKENS)]}
     engine_a = {"engine": asdict(CASE.options(model_dir, tmp_path / "store_a", extra_config=remote)),

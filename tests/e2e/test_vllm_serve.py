@@ -59,10 +59,11 @@ class Server:
         self.log = log
         self.model = str(model)
         self._terminated_at: float | None = None
-        # remote_timeout_s above the default: on a loaded 2-core CI machine a lookup can wait for
-        # a core longer than 0.45 s, and the breaker it opens would fail the writes and hits
-        # this test checks (the kill below opens it all the same).
-        kv = strata_transfer_config(store, host_bytes=128 << 20, remote_url=remote_url, remote_timeout_s=1.0)
+        # Connect and reply timeouts above the defaults (0.2 + 0.25 s): on a loaded 2-core CI
+        # machine a call can wait for a core longer than that, and the breaker it opens would
+        # fail the writes and hits this test checks (the kill below opens it all the same).
+        kv = strata_transfer_config(store, host_bytes=128 << 20, remote_url=remote_url,
+                                    remote_connect_timeout_s=1.0, remote_timeout_s=1.0)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                # float32: greedy text compared across engines must not flip on bf16 rounding

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis_server import PasswordRedisServer, TLSRedisServer, make_ca
+from redis_server import PATIENT_TIMEOUTS, PasswordRedisServer, TLSRedisServer, make_ca
 
 from kvstrata.auth import REMOTE_AUTH_KEY_ENV, REMOTE_PASSWORD_ENV, read_secrets
 from kvstrata.config import StrataConfig
@@ -25,7 +25,7 @@ from kvstrata.tiers.remote import RemoteStore
 
 KEY = b"rank0-namespace!" + bytes(range(32)) + bytes(4)
 SHARD = 4096
-OPTS = dict(connect_timeout_s=1.0, timeout_s=3.0, write_timeout_s=3.0, probe_interval_s=0.2)
+OPTS = dict(PATIENT_TIMEOUTS, probe_interval_s=0.2)
 
 
 def data(seed: int = 0) -> np.ndarray:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import redis
-from redis_server import RedisServer
+from redis_server import PATIENT_TIMEOUTS, RedisServer
 
 from kvstrata.auth import ValueAuth
 from kvstrata.tiers import codec
@@ -43,7 +43,7 @@ def stores(redis_server: RedisServer) -> Iterator[Callable[..., RemoteStore]]:
     made: list[RemoteStore] = []
 
     def make(secret: bytes | None) -> RemoteStore:
-        store = RemoteStore(redis_server.url, connect_timeout_s=1.0, timeout_s=3.0, write_timeout_s=3.0,
+        store = RemoteStore(redis_server.url, **PATIENT_TIMEOUTS,
                             probe_interval_s=0.2, auth=None if secret is None else ValueAuth(secret))
         made.append(store)
         return store

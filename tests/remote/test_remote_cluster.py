@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from redis_server import RedisCluster
+from redis_server import PATIENT_TIMEOUTS, RedisCluster
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy import Hierarchy
@@ -67,7 +67,7 @@ def node_keys(cluster: RedisCluster) -> list[set[bytes]]:
 
 
 def store_on(cluster: RedisCluster, **kw) -> RemoteStore:
-    opts = dict(connect_timeout_s=0.5, timeout_s=1.0, probe_interval_s=0.2)
+    opts: dict = dict(PATIENT_TIMEOUTS, probe_interval_s=0.2)
     opts.update(kw)
     return RemoteStore(cluster.url, **opts)
 
@@ -250,7 +250,7 @@ def test_writes_beyond_the_connection_pool_wait_for_a_connection(cluster: RedisC
 def test_a_url_of_one_seed_finds_the_whole_cluster(cluster: RedisCluster) -> None:
     """Any node is enough as a seed: the client discovers the others."""
     seed = cluster.servers[2]
-    store = RemoteStore(f"redis+cluster://127.0.0.1:{seed.port}", connect_timeout_s=0.5, timeout_s=1.0)
+    store = RemoteStore(f"redis+cluster://127.0.0.1:{seed.port}", **PATIENT_TIMEOUTS)
     try:
         keys = [skey(i) for i in range(60)]
         assert store.put_many([(k, value(k), "uint8") for k in keys]) == 60
@@ -264,7 +264,7 @@ def test_a_plain_url_on_a_cluster_node_fails_softly(cluster: RedisCluster) -> No
     """``redis://`` pointed at a cluster node (a configuration mistake): keys of other nodes'
     slots come back MOVED. Counted as errors and answered as misses; nothing raises."""
     node = cluster.servers[0]
-    store = RemoteStore(f"redis://127.0.0.1:{node.port}", connect_timeout_s=0.5, timeout_s=1.0)
+    store = RemoteStore(f"redis://127.0.0.1:{node.port}", **PATIENT_TIMEOUTS)
     try:
         keys = [skey(i) for i in range(30)]
         assert store.put_many([(k, value(k), "uint8") for k in keys]) == 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from redis_server import RedisServer
+from redis_server import PATIENT_TIMEOUTS, RedisServer
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.disk import DiskStore
@@ -37,7 +37,7 @@ PROBE_S = 0.2
 # (0.2 + 0.25 s), so that a loaded test machine does not time out calls to a healthy server.
 REMOTE_OPTS = dict(connect_timeout_s=0.25, timeout_s=0.5, probe_interval_s=PROBE_S)
 # Engines that only prepare the server's contents: nothing to learn from their timeouts.
-WRITER_OPTS = dict(connect_timeout_s=1.0, timeout_s=3.0, probe_interval_s=PROBE_S)
+WRITER_OPTS = dict(PATIENT_TIMEOUTS, probe_interval_s=PROBE_S)
 # Write-behind threads at normal priority: at idle priority (the default) they get next to no
 # CPU while anything else keeps the machine's cores busy, and the waits for their writes here
 # (and close(), which drains them) would measure the other load.
@@ -333,7 +333,7 @@ def test_server_restarted_mid_load(setup: Setup) -> None:
 def test_server_flushed_mid_load(tmp_path: Path, redis_server: RedisServer) -> None:
     """FLUSHALL: the server answers, with nothing in it. Misses, not an outage. (Generous
     timeouts: a slow answer on a loaded machine would be an outage of another kind.)"""
-    setup = Setup(tmp_path, redis_server, connect_timeout_s=1.0, timeout_s=3.0)
+    setup = Setup(tmp_path, redis_server, **PATIENT_TIMEOUTS)
     try:
         _flushed(setup)
     finally:

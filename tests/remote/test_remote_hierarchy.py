@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from redis_server import RedisServer
+from redis_server import PATIENT_TIMEOUTS, RedisServer
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.disk import DiskStore
@@ -105,7 +105,7 @@ def engines(tmp_path: Path, redis_server: RedisServer):
         elif isinstance(disk, DiskStore):
             store = disk
         if remote is None:
-            opts = dict(connect_timeout_s=1.0, timeout_s=3.0, probe_interval_s=0.2)
+            opts: dict = dict(PATIENT_TIMEOUTS, probe_interval_s=0.2)
             opts.update(remote_opts or {})
             remote = remote_cls(redis_server.url, **opts)
             made.append(remote)

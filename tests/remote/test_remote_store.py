@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import redis
-from redis_server import RedisServer
+from redis_server import PATIENT_TIMEOUTS, RedisServer
 
 from kvstrata.tiers.lower import LowerTier, all_shards_present
 from kvstrata.tiers.remote import KEY_PREFIX, RemoteStore, remote_key
@@ -50,7 +50,7 @@ def tensor(dtype: str, seed: int, n: int = ELEMS) -> np.ndarray:
 
 def make_store(server: RedisServer, **kw) -> RemoteStore:
     # Timeouts generous for a loaded CI machine; failures are what test_remote_failures is about.
-    opts = dict(connect_timeout_s=1.0, timeout_s=3.0, write_timeout_s=3.0, probe_interval_s=0.2)
+    opts: dict = dict(PATIENT_TIMEOUTS, probe_interval_s=0.2)
     opts.update(kw)
     return RemoteStore(server.url, **opts)
 
@@ -466,7 +466,7 @@ def test_password_and_database_from_the_url(tmp_path) -> None:
         port = server.port
         for url, db in ((f"redis://:s3cret@127.0.0.1:{port}/3", 3),
                         (f"redis://alice:wonder@127.0.0.1:{port}/5", 5)):
-            s = RemoteStore(url, connect_timeout_s=1.0, timeout_s=3.0)
+            s = RemoteStore(url, **PATIENT_TIMEOUTS)
             try:
                 assert s.put_many([(skey(db), d, "bfloat16")]) == 1
                 assert s.get_into(skey(db), np.zeros_like(d)) == d.nbytes
@@ -476,8 +476,7 @@ def test_password_and_database_from_the_url(tmp_path) -> None:
             c = redis.Redis(host="127.0.0.1", port=port, db=db, password="s3cret", socket_timeout=5)
             assert c.exists(remote_key(skey(db))) == 1 and c.dbsize() == 1
         # A wrong password: the tier is unavailable (misses), and says why.
-        s = RemoteStore(f"redis://:wrong@127.0.0.1:{port}", connect_timeout_s=1.0, timeout_s=3.0,
-                        probe_interval_s=0.2)
+        s = RemoteStore(f"redis://:wrong@127.0.0.1:{port}", probe_interval_s=0.2, **PATIENT_TIMEOUTS)
         try:
             assert s.contains_many([skey(3)]) == [False]
             assert not s.available and s.stats()["unavailable"] == 1
