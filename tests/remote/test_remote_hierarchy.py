@@ -273,7 +273,7 @@ def test_writes_the_server_cannot_take_are_dropped_and_hold_no_slot(engines, red
     """The shared tier's backpressure is "drop": with one write in flight (to a hung server),
     further writes are dropped and counted at once, and their host slots are free to evict."""
     a = engines("a", disk=False, slots=8, max_write_inflight_bytes=1,
-                remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25))
+                remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=2.0))
     keys = [key(i) for i in range(5)]
     redis_server.pause()
     try:
