@@ -159,6 +159,8 @@ ASYNC_LOADS = Restart("async_loads", {"sync_loads": False})
 # forward writes depends on the batch around it (kernel tiles): float32 keeps the comparison with
 # a recomputation at the 1e-6 level (equivalence.TOLERANCE is 1e-4).
 FP32 = {"dtype": "float32"}
+# Qwen3-Next: one sequence per step, prefill chunks of one 384-token block (CASES below).
+QWEN3_NEXT_ENGINE = {"max_num_batched_tokens": 384, "max_num_seqs": 1, "block_size": 384}
 
 CASES: dict[str, ModelCase] = {
     "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), engine=FP32,
@@ -184,15 +186,16 @@ CASES: dict[str, ModelCase] = {
     # per step: CPU GDN runs only in bf16, where a request's numerics depend on what else is in
     # its batch; a reloaded request batched differently from its cold run then flips greedy
     # near-ties (top-2 logprobs one bf16 step apart were seen). Alone, both runs compute the same
-    # chunks and are bit-identical, so any difference is kvstrata's.
+    # chunks and are bit-identical, so any difference is kvstrata's. The block is set: vLLM
+    # sizes a hybrid model's block to its Mamba state's page, which depends on the CPU (384
+    # tokens on the AVX-512 bf16 VMs; an AVX2-only one served multiples of 256), and every
+    # boundary here is the block's.
     "qwen3_next": ModelCase("qwen3_next", lambda d, s: models.make_tiny_qwen3_next(d, seed=s),
-                            engine={"max_num_batched_tokens": 384, "max_num_seqs": 1},
-                            block=384, mamba=True),
+                            engine=QWEN3_NEXT_ENGINE, block=384, mamba=True),
     # The same with 128-token hashes: the state at each prompt's last 128-token boundary is stored
     # from the scheduler's copy-on-write hand-off and served, up to 383 tokens more per prompt.
     "qwen3_next_tails": ModelCase("qwen3_next_tails", lambda d, s: models.make_tiny_qwen3_next(d, seed=s),
-                                  engine={"max_num_batched_tokens": 384, "max_num_seqs": 1},
-                                  prefix_match_unit=128, block=384, mamba=True),
+                                  engine=QWEN3_NEXT_ENGINE, prefix_match_unit=128, block=384, mamba=True),
     "llama_eagle": ModelCase("llama_eagle", _llama_with_eagle, engine=FP32, eagle=True),
 }
 
