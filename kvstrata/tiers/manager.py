@@ -20,9 +20,20 @@ class TierManager(Protocol):
     def lookup_many(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None = None, *,
                     stream: bool = False, prefix: bool = False,
                     protect: set[bytes] | None = None, offered: set[bytes] | None = None,
-                    defer_promotions: bool = False, wait_for_room: bool = False) -> list[Presence]:
+                    defer_promotions: bool = False, wait_for_room: bool = False,
+                    queued: set[bytes] | None = None) -> list[Presence]:
         """HIT / PENDING / MISS per chunk key; chunks only in a lower tier start their
         promotion (see ``Hierarchy.lookup_many``)."""
+        ...
+
+    def host_room(self) -> int:
+        """Host slots a promotion could take now."""
+        ...
+
+    def promote_queued(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None,
+                       queued: set[bytes]) -> list[Presence]:
+        """Start the promotions a lookup queued for want of host room, as far as room goes
+        (see ``Hierarchy.promote_queued``)."""
         ...
 
     def launch_deferred_promotions(self) -> None:

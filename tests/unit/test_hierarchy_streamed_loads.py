@@ -3,6 +3,7 @@ tickets, and records found corrupt or gone after the lookup."""
 
 from __future__ import annotations
 
+import pytest
 from hierarchy_helpers import (
     DTYPES,
     GROUP_BYTES,
@@ -113,3 +114,50 @@ def test_tickets_of_a_reused_slab_file_are_cleared(env, tmp_path):
     finally:
         h.close()
         slab.close()
+
+
+# ---- loads in pieces: hits larger than the host tier's room --------------------------------------
+
+
+def test_a_run_larger_than_the_room_is_queued_and_promoted_as_room_frees(env):
+    """16 host slots, 12 held by stores in flight, 10 chunks on disk. A streamed lookup with
+    ``queued`` answers all 10 HIT: 4 promote now, 6 are queued (counted pending, none computed).
+    Once the first piece is loaded and let go, ``promote_queued`` promotes the next 4 in order
+    and queues the last 2 again; a chunk gone from every tier then answers MISS. Every slot
+    loaded holds its chunk's bytes. Watched failing without ``queued``: 6 MISS."""
+    disk = env.disk()
+    h = env.hier(disk, slots=16)
+    keys = [key(i) for i in range(10)]
+    store(h, keys)
+    eventually(lambda: h.stats()["writes_completed"] == 10, "write-behind")
+    h.close()
+    h2: Hierarchy = env.hier(disk, slots=16)
+    assert h2.prepare_store([key(100 + i) for i in range(12)]) is not None
+    with pytest.raises(ValueError, match="streamed"):
+        h2.lookup_many(keys, queued=set())
+    queued: set[bytes] = set()
+    promoting: dict[bytes, str] = {}
+    assert h2.lookup_many(keys, promoting, stream=True, prefix=True, queued=queued) == [HIT] * 10
+    assert queued == set(keys[4:]) and set(promoting) == set(keys)
+    st = h2.stats()
+    assert st["promotions_started"] == 4 and st["promote_queued"] == 6 and st["promote_no_room"] == 0, st
+    assert st["lookup_hits"] == 0 and st["lookup_pending"] == 10, st
+
+    def load(piece: list[bytes]) -> None:
+        placed = h2.prepare_streamed_load(piece)
+        assert all(t >= 0 for _, t in placed)
+        eventually(lambda: all(_landed(h2, s, t) for s, t in placed), "landing")
+        assert all(holds(h2.slab, s, k) for (s, _), k in zip(placed, piece, strict=True))
+        h2.complete_load(piece)
+
+    load(keys[:4])
+    still: set[bytes] = set()
+    assert h2.promote_queued(keys[4:], promoting, still) == [HIT] * 6
+    assert still == set(keys[8:])  # the first piece's 4 slots, taken in order
+    assert h2.stats()["promotions_started"] == 8
+    load(keys[4:8])
+    assert disk.delete_many([ns + keys[9] for ns in NS]) == len(NS)
+    still = set()
+    assert h2.promote_queued(keys[8:], promoting, still) == [HIT, MISS]
+    load(keys[8:9])
+    assert h2.stats()["host"]["referenced"] == 12  # the stores' slots only

@@ -175,6 +175,19 @@ def test_allocate_is_all_or_nothing_and_slots_are_distinct(policy):
         pool.allocate([_key(20), _key(20)])
 
 
+def test_room_is_what_an_allocation_could_take(policy):
+    """Free slots and idle chunks (evictable) are room; referenced ones are not."""
+    pool = HostPool(num_slots=4, policy=policy)
+    assert pool.room == 4
+    pool.allocate([_key(0), _key(1)])  # not ready, the writer's reference
+    assert pool.room == 2
+    pool.mark_ready(_key(0))
+    pool.release(_key(0))  # ready and idle: evictable
+    assert pool.room == 3
+    assert pool.allocate([_key(2), _key(3), _key(4)]) is not None  # takes exactly that room
+    assert pool.room == 0 and pool.allocate([_key(5)]) is None
+
+
 def test_referenced_chunks_are_never_evicted(policy):
     pool = HostPool(num_slots=3, policy=policy)
     keys = [_key(i) for i in range(3)]

@@ -9,9 +9,9 @@ shards.
 
 * **lookup**: a chunk only in a lower tier gets a host slot and starts its promotion at once,
   answering PENDING (HIT under ``stream``: a streamed load waits on its ticket); MISS when the
-  host tier has no room. A full-attention run is probed as a prefix (nothing promoted past its
-  first missing chunk); chunks a request's lookup answered HIT are never evicted by its later
-  probes.
+  host tier has no room (HIT under ``queued``: promoted later, ``promote_queued``). A
+  full-attention run is probed as a prefix (nothing promoted past its first missing chunk);
+  chunks a request's lookup answered HIT are never evicted by its later probes.
 * **events** (``events=True``): ``take_events()`` returns ``(tier, removed, chunk keys)``
   batches — tier "host" or a lower tier's name — in the order they happened: a store completed or
   a promotion landed (host, stored); an idle chunk evicted or reset (host, removed); a write-behind
@@ -42,9 +42,11 @@ from kvstrata.tiers.hierarchy.shared import (
     Pipeline,
     Shared,
     TierLink,
+    per_tier,
+    use_processes,
 )
 from kvstrata.tiers.hierarchy.write_behind import WriteBehind
-from kvstrata.tiers.host import HostPool, HostSlab
+from kvstrata.tiers.host import HostPool
 from kvstrata.tiers.lower import LowerTier
 
 logger = logging.getLogger(__name__)
@@ -110,9 +112,9 @@ class Hierarchy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         tiers = [] if lower is None else list(lower) if isinstance(lower, Sequence) else [lower]
-        admits = _per_tier("admit_after", admit_after, len(tiers))
-        pressure = _per_tier("write_backpressure", write_backpressure, len(tiers))
-        inflight = _per_tier("max_write_inflight_bytes", max_write_inflight_bytes, len(tiers))
+        admits = per_tier("admit_after", admit_after, len(tiers))
+        pressure = per_tier("write_backpressure", write_backpressure, len(tiers))
+        inflight = per_tier("max_write_inflight_bytes", max_write_inflight_bytes, len(tiers))
         for p in pressure:
             if p not in ("defer", "drop"):
                 raise ValueError(f"write_backpressure must be 'defer' or 'drop', not {p!r}")
@@ -125,8 +127,8 @@ class Hierarchy:
             clock=clock)
         for link in links:
             link.reuse = ReuseMeter(write_reuse_half_life_bytes or max(1, 2 * s.slab.nbytes))
-            link.slab_reads = _use_processes(link.tier, "read", s.slab, read_processes)
-            link.slab_writes = _use_processes(link.tier, "write", s.slab, write_processes, idle=idle_writes)
+            link.slab_reads = use_processes(link.tier, "read", s.slab, read_processes)
+            link.slab_writes = use_processes(link.tier, "write", s.slab, write_processes, idle=idle_writes)
         self.pool = host_pool
         self.slab = s.slab
         self.namespaces = s.namespaces
@@ -168,6 +170,7 @@ class Hierarchy:
         offered: set[bytes] | None = None,
         defer_promotions: bool = False,
         wait_for_room: bool = False,
+        queued: set[bytes] | None = None,
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
@@ -191,10 +194,32 @@ class Hierarchy:
         room to promote (every slot held) answers PENDING instead of MISS, so that the request
         asks again once stores, loads and writes have let go of slots, rather than computing it
         (``host_room_wait_s``); not when this lookup's promotions could never all fit.
+        ``queued`` (with ``stream`` only): such a chunk, when the lookup does not wait for room,
+        answers HIT instead of MISS and is added to ``queued`` (and to ``promoting``): the
+        request's load brings it in a later piece, through :meth:`promote_queued`, once the
+        host tier has room again (a hit larger than the host tier is loaded through it in
+        pieces rather than computed).
         """
+        if queued is not None and not stream:
+            raise ValueError("queued promotions are loaded by streamed loads only")
         return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
                                    prefix=prefix, protect=protect, offered=offered, defer=defer_promotions,
-                                   wait_for_room=wait_for_room)
+                                   wait_for_room=wait_for_room, queued=queued)
+
+    def host_room(self) -> int:
+        """Host slots a promotion could take now (free, or holding a chunk nothing pins)."""
+        with self._s.lock:
+            return self.pool.room
+
+    def promote_queued(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None,
+                       queued: set[bytes]) -> list[Presence]:
+        """Start the promotions of chunks a lookup queued (``lookup_many``'s ``queued``), as far
+        as the host tier has room: HIT for each chunk in the host tier or on its way into it
+        (load it with :meth:`prepare_streamed_load`), HIT and added to ``queued`` for each that
+        still has no room, MISS for each no tier holds any more. No access or offer is recorded
+        again: the request's lookup did."""
+        return self._lookup.lookup(keys, count_offers=False, promoting=promoting, stream=True,
+                                   queued=queued)
 
     def launch_deferred_promotions(self) -> None:
         """Run the promotions lookups held with ``defer_promotions``."""
@@ -477,31 +502,3 @@ class Hierarchy:
             self._writes.forget(link, list(records))
             self._s.journal.add_removed_records(link.name, records)
 
-
-def _per_tier(name: str, value: Any, n: int) -> list[Any]:
-    """One value per lower tier: ``value`` repeated, or the sequence given (its length checked)."""
-    if isinstance(value, (int, str)):
-        return [value] * n
-    values = list(value)
-    if len(values) != n:
-        raise ValueError(f"{len(values)} values of {name} for {n} lower tiers")
-    return values
-
-
-def _use_processes(tier: LowerTier, what: Literal["read", "write"], slab: HostSlab, processes: int,
-                   **kw: Any) -> bool:
-    """Have ``tier`` read promotions into ``slab`` (``what`` "read") or frame writes from it
-    ("write") in ``processes`` processes of its own (a disk tier: ``DiskStore.use_read_processes``
-    and ``use_write_processes``); False when it does that in the pipeline's threads (no processes
-    asked for, a tier that has none, or they could not start: logged)."""
-    use = getattr(tier, f"use_{what}_processes", None)
-    if processes <= 0 or use is None:
-        return False
-    try:
-        use(slab, processes, **kw)
-    except (RuntimeError, OSError, MemoryError) as exc:  # ProcessesUnavailable is a RuntimeError;
-        # MemoryError: no shared memory for the write processes' frame slab
-        logger.warning("kvstrata: the disk %s processes did not start (%s); working in the "
-                       "engine's threads", what, exc)
-        return False
-    return True

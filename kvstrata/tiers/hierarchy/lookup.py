@@ -61,6 +61,7 @@ class Lookup:
         offered: set[bytes] | None = None,
         defer: bool = False,
         wait_for_room: bool = False,
+        queued: set[bytes] | None = None,
     ) -> list[Presence]:
         # Kept to C-level iteration and list comprehensions over the keys: this runs on the
         # scheduler's critical path, for hundreds of keys every step a long prompt waits.
@@ -121,7 +122,7 @@ class Lookup:
         source = self.find(keys, candidates, prefix)
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
                                 ([i for i in candidates if fresh[i]] if any_fresh else [])
-                                if count_offers else None, defer, wait_for_room)
+                                if count_offers else None, defer, wait_for_room, queued)
         return states
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
@@ -171,12 +172,14 @@ class Lookup:
     def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
                           streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
                           protect: set[bytes] | None, asked: list[int] | None, defer: bool = False,
-                          wait_for_room: bool = False) -> None:
+                          wait_for_room: bool = False, queued: set[bytes] | None = None) -> None:
         """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
         the tiers' reuse evidence (None: a promotion that is no request's). ``defer``: the
         reads are held until ``Promoter.launch_deferred``. ``wait_for_room``: a chunk the host
         tier has no room for answers PENDING (ask again later) instead of MISS, when this
-        lookup's promotions could all fit in the host tier once its holders let go."""
+        lookup's promotions could all fit in the host tier once its holders let go. ``queued``
+        (streamed loads only): otherwise such a chunk answers HIT and is added there, to be
+        promoted and loaded once room frees (``Hierarchy.lookup_many``)."""
         s = self.s
         items = []
         with s.lock:
@@ -217,7 +220,7 @@ class Lookup:
                         states[i] = _PENDING
                     continue
                 if not room:
-                    self._no_room(states, i, wait_for_room)
+                    streamed += self._no_room(keys, states, i, source[i], wait_for_room, queued, promoting)
                     continue
                 if protected is None:
                     protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
@@ -229,7 +232,7 @@ class Lookup:
                     # so that the request does not wait on a promotion that never starts, unless
                     # it may wait for room (then it asks again, and starts it then).
                     room = False
-                    self._no_room(states, i, wait_for_room)
+                    streamed += self._no_room(keys, states, i, source[i], wait_for_room, queued, promoting)
                     continue
                 items.append(self.promoter.start(key, slots[0], source[i]))
                 states[i] = _HIT if stream else _PENDING
@@ -239,13 +242,28 @@ class Lookup:
             self.promoter.launch(items, defer)
             self._count(states, streamed)
 
-    def _no_room(self, states: list[Presence], i: int, wait_for_room: bool) -> None:
-        """Chunk ``i`` of a lookup found no host slot for its promotion. Under the lock."""
+    def _no_room(self, keys: Sequence[bytes], states: list[Presence], i: int, link: TierLink,
+                 wait_for_room: bool, queued: set[bytes] | None,
+                 promoting: MutableMapping[bytes, str] | None) -> int:
+        """Chunk ``i`` of a lookup found no host slot for its promotion (or the hierarchy is
+        closed). Returns 1 when it answers HIT as a queued promotion (counted as pending). Under
+        the lock."""
+        s = self.s
+        if s.closed:
+            return 0
         if wait_for_room:
             states[i] = _PENDING
-            self.s.counts["promote_room_waits"] += 1
+            s.counts["promote_room_waits"] += 1
+        elif queued is not None:
+            states[i] = _HIT
+            queued.add(keys[i])
+            if promoting is not None:
+                promoting[keys[i]] = link.name
+            s.counts["promote_queued"] += 1
+            return 1
         else:
-            self.s.counts["promote_no_room"] += 1
+            s.counts["promote_no_room"] += 1
+        return 0
 
     def _allocate_all(self, keys: Sequence[bytes], order: list[int], states: list[Presence],
                       protect: set[bytes] | None) -> dict[bytes, int]:

@@ -9,6 +9,7 @@ the pipeline (or, for presence checks, outside the lock).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -16,12 +17,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from kvstrata.tiers.hierarchy.reuse import ReuseMeter
-from kvstrata.tiers.host import HostPool
+from kvstrata.tiers.host import HostPool, HostSlab
 from kvstrata.tiers.lower import LowerTier
 from kvstrata.tiers.priority import background_thread, name_this_thread
+
+logger = logging.getLogger(__name__)
 
 TIER_HOST = "host"
 DEFAULT_WRITE_INFLIGHT_BYTES = 128 << 20  # per lower tier, before its backpressure applies
@@ -33,7 +36,7 @@ COUNTERS = (
     "lookups", "lookup_hits", "lookup_pending", "stores_prepared", "stores_completed",
     "stores_failed", "store_no_room", "store_unknown", "loads_prepared", "loads_streamed",
     "promotions_started", "promotions_completed", "promotions_failed", "promote_no_room",
-    "promote_room_waits", "waiting_holds", "waiting_holds_capped",
+    "promote_room_waits", "promote_queued", "waiting_holds", "waiting_holds_capped",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
     "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed", "writes_retried",
     "writes_resumed", "writes_lost", "writes_urgent",
@@ -336,3 +339,32 @@ class Pipeline:
             for pool in (link.read_pool, link.write_pool, link.urgent_pool):
                 if pool is not None:
                     pool.shutdown(wait=drained)
+
+
+def per_tier(name: str, value: Any, n: int) -> list[Any]:
+    """One value per lower tier: ``value`` repeated, or the sequence given (its length checked)."""
+    if isinstance(value, (int, str)):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{len(values)} values of {name} for {n} lower tiers")
+    return values
+
+
+def use_processes(tier: LowerTier, what: Literal["read", "write"], slab: HostSlab, processes: int,
+                   **kw: Any) -> bool:
+    """Have ``tier`` read promotions into ``slab`` (``what`` "read") or frame writes from it
+    ("write") in ``processes`` processes of its own (a disk tier: ``DiskStore.use_read_processes``
+    and ``use_write_processes``); False when it does that in the pipeline's threads (no processes
+    asked for, a tier that has none, or they could not start: logged)."""
+    use = getattr(tier, f"use_{what}_processes", None)
+    if processes <= 0 or use is None:
+        return False
+    try:
+        use(slab, processes, **kw)
+    except (RuntimeError, OSError, MemoryError) as exc:  # ProcessesUnavailable is a RuntimeError;
+        # MemoryError: no shared memory for the write processes' frame slab
+        logger.warning("kvstrata: the disk %s processes did not start (%s); working in the "
+                       "engine's threads", what, exc)
+        return False
+    return True

@@ -110,6 +110,11 @@ class HostPool:
     def free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def room(self) -> int:
+        """Slots an allocation could take now: free, or holding a chunk nothing references."""
+        return self.num_slots - self._referenced
+
     def keys(self) -> list[bytes]:
         return [key for key, _ in self._policy]
 
