@@ -334,6 +334,10 @@ KVSTRATA_SERIES = {
     # again while their request waited for one (host_room_wait_s).
     "promotions_no_room": "vllm:kvstrata_promotions_no_room",
     "promotion_room_waits": "vllm:kvstrata_promotion_room_waits",
+    # Loads larger than the host tier's room, brought through it in pieces, and their pieces.
+    "pieced_loads": "vllm:kvstrata_pieced_loads_total",
+    "load_pieces": "vllm:kvstrata_load_pieces_total",
+    "promotions_queued": "vllm:kvstrata_promotions_queued",
     # Chunks pinned for requests whose lookup waited, until they loaded them.
     "waiting_holds": "vllm:kvstrata_waiting_holds",
     # Seconds from a load's submission to its end in the workers (a streamed one's wait for

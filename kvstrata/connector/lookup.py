@@ -22,7 +22,7 @@ from vllm.v1.request import Request
 from kvstrata import semantics
 from kvstrata.connector.events import KVEvents
 from kvstrata.connector.metadata import ChunkCopy, TransferJob
-from kvstrata.connector.request_state import Job, RequestState, served_by_tier
+from kvstrata.connector.request_state import Job, PieceLoad, RequestState, served_by_tier
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE, chunk_group
@@ -55,6 +55,7 @@ class LookupMixin:
     _allocated: set[int]
     _being_loaded: set[bytes] | None
     _awaiting: set[str]
+    _pieced: dict[str, None]
 
     if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
         def _refresh_keys(self, st: RequestState) -> None: ...
@@ -62,6 +63,8 @@ class LookupMixin:
         def _tail_extension_candidates(
             self, st: RequestState, start: int, lengths: range) -> list[tuple[int, dict[int, bytes]]]: ...
         def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
+        def _start_piece(self, st: RequestState, transfers: list[semantics.ChunkTransfer],
+                         copies: list[ChunkCopy] | None = None) -> None: ...
 
     # ------------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(
@@ -90,13 +93,17 @@ class LookupMixin:
         # Chunks this lookup answered HIT so far: a later probe of the same lookup (another
         # group, a tail) must not evict them to make room for a promotion.
         answered: set[bytes] = set()
+        # Streamed loads: chunks a lower tier holds that the host tier has no room for are hits
+        # too, loaded in pieces as room frees (connector/pieces.py), unless this lookup waits
+        # for room instead (host_room_wait_s).
+        queued: set[bytes] | None = set() if self.stream_loads else None
 
         def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
             keys = list(keys)
             # Promotions launch at the end of the step's scheduling (``build_connector_meta``).
             answers = list(self.hierarchy.lookup_many(
                 keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered,
-                offered=st.offered, defer_promotions=True, wait_for_room=wait_for_room))
+                offered=st.offered, defer_promotions=True, wait_for_room=wait_for_room, queued=queued))
             # With C-level iteration: a long prompt's probe is hundreds of keys, every step.
             answered.update(compress(keys, map(is_, answers, repeat(Presence.HIT))))
             found.extend(compress(keys, map(is_not, answers, repeat(Presence.MISS))))
@@ -152,6 +159,7 @@ class LookupMixin:
             hit, st.extension_keys = self._tail_extension_hit(
                 st, request, complete, num_computed_tokens, max_num_new_tokens, probe)
         self.stats.lookups += 1
+        st.queued = queued or set()
         if hit is None:
             self.stats.lookup_deferrals += 1
             st.awaiting = pending
@@ -170,7 +178,7 @@ class LookupMixin:
         # them; the forward would share the cores with their decompression anyway). Not a hit
         # of the whole request: vLLM then has no token to compute in that step (an
         # asynchronous load has it recompute the last one).
-        st.sync_load = (self.sync_loads and hit > 0 and not pending
+        st.sync_load = (self.sync_loads and hit > 0 and not pending and not queued
                         and num_computed_tokens + hit < request.num_tokens
                         and (self.sync_loads_wait_for_disk or not self.stream_loads
                              or not self.hierarchy.in_flight(list(answered))))
@@ -320,19 +328,23 @@ class LookupMixin:
             tail_keys=tail_keys,
         )
         keys = [t.key for t in transfers]
+        # Chunks the lookup found no host room for: loaded in later pieces (connector/pieces.py).
+        queued, st.queued = st.queued, set()
+        later = [t for t in transfers if t.key in queued] if queued else []
+        first = [t for t in transfers if t.key not in queued] if later else transfers
         try:
             if self.stream_loads:
                 # A synchronous load gets tickets too: on CPU engines its worker waits for
                 # chunks still landing before the forward; elsewhere its chunks were all in the
                 # host tier at the lookup (ticket 0), and one gone since (-1) fails it.
-                placed = self.hierarchy.prepare_streamed_load(keys)
+                placed = self.hierarchy.prepare_streamed_load([t.key for t in first])
             else:
                 placed = [(slot, 0) for slot in self.hierarchy.prepare_load(keys)]
         finally:
             self._release_held(st)  # the load pinned what it needs
         copies = [
             ChunkCopy(t.group, slot, t.first_block_in_chunk, tuple(t.block_ids), ticket)
-            for t, (slot, ticket) in zip(transfers, placed, strict=True)
+            for t, (slot, ticket) in zip(first, placed, strict=True)
         ]
         tpc_of = {g.index: g.tokens_per_chunk for g in self.layout.groups}
         st.load_keys = [
@@ -348,6 +360,19 @@ class LookupMixin:
             tpc = geom.tokens_per_chunk
             covered = cached // tpc if tail_keys is not None else -(-cached // tpc)
             st.groups[geom.index].next_stored_chunk = covered
+        self.stats.load_jobs += 1
+        # vLLM caches a synchronous load's blocks at once (its prefix cache serves them from
+        # this step on); an asynchronous one's only once it arrived.
+        if self._being_loaded is not None and not sync:
+            self._being_loaded.update(keys)
+        if later:
+            st.pieces = PieceLoad(later, (num_external, lower_tokens))
+            self._pieced[request.request_id] = None
+            self.stats.pieced_loads += 1
+            self.stats.streamed_loads += 1
+            if first:
+                self._start_piece(st, first, copies)
+            return
         job_id = self._new_job(st, is_store=False, keys=keys)
         self._jobs[job_id].hit = (num_external, lower_tokens)
         self._loads.append(TransferJob(job_id, request.request_id, False, copies, sync=sync))
@@ -362,8 +387,3 @@ class LookupMixin:
             # never lets the request finish in this step, and takes it back (_finish_job).
             self._jobs[job_id].served_before = st.served
             st.served = served_by_tier(num_external, lower_tokens)
-        # vLLM caches a synchronous load's blocks at once (its prefix cache serves them from
-        # this step on); an asynchronous one's only once it arrived.
-        if self._being_loaded is not None and not sync:
-            self._being_loaded.update(keys)
-        self.stats.load_jobs += 1

@@ -39,13 +39,16 @@ class ChunkCopy(NamedTuple):
 @dataclass(slots=True)
 class TransferJob:
     """``sync`` (loads only): copied before this step's forward, which computes the request; a
-    failure is reported as block ids, never in ``finished_recving`` (vLLM runs the request)."""
+    failure is reported as block ids, never in ``finished_recving`` (vLLM runs the request).
+    ``partial`` (loads only): a piece of a load brought in pieces other than its last; its
+    result goes to the scheduler only, and the request is reported with the last piece."""
 
     job_id: int
     req_id: str
     is_store: bool
     copies: list[ChunkCopy]
     sync: bool = False
+    partial: bool = False
 
     @property
     def block_ids(self) -> list[int]:

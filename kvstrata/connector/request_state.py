@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request
 
+from kvstrata import semantics
 from kvstrata.tiers.hierarchy import TIER_HOST
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,19 @@ class GroupState:
     next_stored_chunk: int = 0
     # key -> chunk index, kept only for self-describing KV events
     chunk_of: dict[bytes, int] = field(default_factory=dict)
+
+
+@dataclass
+class PieceLoad:
+    """A load larger than the host tier's room, brought in pieces: each piece is promoted into
+    the host tier, copied to the device and unpinned before the next one is promoted
+    (``connector/pieces.py``); vLLM's request waits for its remote KVs until the last one."""
+
+    transfers: list[semantics.ChunkTransfer]  # still to load, in plan order
+    hit: tuple[int, dict[str, int]]  # the whole load's (tokens, of which per lower tier)
+    # A piece failed, a chunk left every tier, the request finished or the cache was reset:
+    # the load's last job then fails it (vLLM recomputes, or frees the request's blocks).
+    failed: bool = False
 
 
 @dataclass
@@ -71,6 +85,11 @@ class RequestState:
     extension_keys: Mapping[int, bytes] | None = None
     # Whether the last lookup's hit is loaded synchronously (before its step's forward).
     sync_load: bool = False
+    # Chunks the last lookup answered HIT although the host tier had no room to promote them
+    # (streamed loads): its load brings them in later pieces.
+    queued: set[bytes] = field(default_factory=set)
+    # The rest of a load brought in pieces, while the request waits for it (None: no such load).
+    pieces: PieceLoad | None = None
     # Tokens kvstrata served this request by the tier they came from (its last load that
     # succeeded), handed back in the request's output (``SERVED_PARAM``).
     served: dict[str, int] = field(default_factory=dict)
@@ -96,6 +115,8 @@ class Job:
     failed: bool = False  # some worker reported it failed (the others may report later)
     # A synchronous load: what the request was served before it (restored if it fails).
     served_before: dict[str, int] | None = None
+    # A load's piece other than its last (PieceLoad): served and counted with the last one.
+    partial: bool = False
 
 
 def served_by_tier(tokens: int, lower: dict[str, int]) -> dict[str, int]:

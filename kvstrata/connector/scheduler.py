@@ -26,6 +26,7 @@ from kvstrata import semantics
 from kvstrata.connector.events import KVEvents
 from kvstrata.connector.lookup import LookupMixin
 from kvstrata.connector.metadata import StrataMetadata, StrataWorkerMetadata, TransferJob
+from kvstrata.connector.pieces import PieceLoadsMixin
 from kvstrata.connector.plan import KVPlan
 from kvstrata.connector.request_state import (
     SERVED_PARAM,
@@ -47,7 +48,7 @@ IDLE_WAIT_S = 0.02
 EXTENSION_RECHECK_S = 0.5
 
 
-class StrataScheduler(LookupMixin, StoreJobsMixin):
+class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
     def __init__(
         self, plan: KVPlan, hierarchy: TierManager, *, offload_prompt_only: bool, prefix_caching: bool,
         stream_loads: bool = False, sync_loads: bool = False, sync_loads_wait_for_disk: bool = False,
@@ -93,6 +94,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         self.stats = StrataStats()
         self._tiers_at = 0.0
         self._awaiting: set[str] = set()  # requests whose lookup waits on st.awaiting
+        self._pieced: dict[str, None] = {}  # requests with pieces of a load still to load
         self._block_hash_fn: Any = None  # vLLM's prefix-caching hash, for prompt-tail keys
 
     # ---------------------------------------------------------------- requests
@@ -203,6 +205,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         stores = (self._finished_hand_offs + self._boundary_store_jobs(so) + self._store_jobs(so)
                   + self._prompt_tail_store_jobs(so) + self._answer_tail_store_jobs(so))
         self._finished_hand_offs = []
+        if self._pieced:
+            self._load_next_pieces()
         meta = StrataMetadata(loads=self._loads, stores=stores, flush=self._flush)
         for req_id in so.finished_req_ids or ():
             self._awaiting.discard(req_id)
@@ -210,13 +214,14 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             if st is None:
                 continue
             st.finished_signaled = True
-            if not st.jobs:
+            if not st.jobs and st.pieces is None:
                 del self._reqs[req_id]
         self._loads, self._flush, self._allocated = [], set(), set()
         # vLLM's scheduling of this step is done: the reads this step's lookups started run
         # now, beside the forward rather than inside the scheduler's critical path.
         self.hierarchy.launch_deferred_promotions()
-        if (self._awaiting or self._streaming) and not meta.loads and not so.total_num_scheduled_tokens:
+        if ((self._awaiting or self._streaming or self._pieced) and not meta.loads
+                and not so.total_num_scheduled_tokens):
             self._idle_wait()
         return meta
 
@@ -238,11 +243,11 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             awaited.extend(st.awaiting)
         # Streamed loads wait on their chunks' promotions in the workers: the same wait applies.
         keys = awaited + [key for job_id in self._streaming for key in self._jobs[job_id].keys]
-        if not keys:
-            return
-        if self.hierarchy.in_flight(keys):
+        if keys and self.hierarchy.in_flight(keys):
             self.hierarchy.wait_promotions(keys, IDLE_WAIT_S)
-        elif awaited:  # lookups waiting for host-tier room (host_room_wait_s): writes free it
+        elif awaited or any(not st.jobs for st in map(self._reqs.get, self._pieced) if st is not None):
+            # Lookups waiting for host-tier room (host_room_wait_s), or loads whose next piece
+            # waits for it: writes behind and the other loads free it.
             time.sleep(IDLE_WAIT_S)
 
     def _update_block_ids(self, so: SchedulerOutput) -> None:
@@ -326,7 +331,10 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             self._streaming.discard(job_id)
             if self._being_loaded:
                 self._being_loaded.difference_update(job.keys)
-            if ok:
+            if job.partial:  # a piece of a longer load: counted with its last
+                if not ok and st is not None and st.pieces is not None:
+                    st.pieces.failed = True
+            elif ok:
                 tokens, lower = job.hit
                 self.stats.hit_tokens += tokens
                 self.stats.hit_tokens_disk += lower.get(TIER_DISK, 0)
@@ -353,7 +361,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
         del self._jobs[job_id]
         if st is not None:
             st.jobs.discard(job_id)
-            if st.finished_signaled and not st.jobs:
+            if st.finished_signaled and not st.jobs and st.pieces is None:
                 del self._reqs[job.req_id]
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -363,6 +371,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             return False, None
         if st.held:
             self._release_held(st)
+        if st.pieces is not None:  # aborted while its load came in pieces: vLLM still waits
+            st.pieces.failed = True  # for the load to end before it frees the blocks
         # The final hash may have just appeared: the next build_connector_meta stores the tail
         # (finish-time tail promotion, R29/R38).
         self._refresh_keys(st)
@@ -391,6 +401,9 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             if st.held:
                 self._release_held(st)
             st.partial_boundary = None
+            st.queued = set()
+            if st.pieces is not None:  # vLLM still waits for the load: its last job fails it
+                st.pieces.failed = True
             for gs in st.groups.values():
                 gs.next_stored_chunk = 0
         self._stale_below = self._next_job
@@ -429,6 +442,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin):
             "writes_behind": int(h.get("writes_completed", 0)),
             "promotions_no_room": int(h.get("promote_no_room", 0)),
             "promotion_room_waits": int(h.get("promote_room_waits", 0)),
+            "promotions_queued": int(h.get("promote_queued", 0)),
             "waiting_holds": int(h.get("waiting_holds", 0)),
         }
         r = h.get("tiers", {}).get(TIER_REMOTE)

@@ -32,6 +32,9 @@ COUNTERS = {
                        "(a multi-turn follow-up served inside the block its previous prompt ended in)",
     "streamed_loads": "Load jobs sent before all their chunks landed from disk (stream_loads)",
     "sync_loads": "Load jobs copied before the forward of the step that computes their request (sync_loads)",
+    "pieced_loads": "Loads larger than the host tier's room, promoted and copied a piece at a time "
+                    "instead of computing what did not fit",
+    "load_pieces": "Load jobs after the first of loads brought in pieces",
     "store_jobs": "Store jobs (device -> host)",
     "bytes_loaded": "Bytes copied host -> device",
     "bytes_stored": "Bytes copied device -> host",
@@ -52,8 +55,10 @@ GAUGES = (
     "disk_reserve_capped",
     "promotions", "warm_promotions", "writes_behind",
     # Chunks a lower tier held that lookups found no host slot to promote: computed instead
-    # (no_room), or asked for again while their request waited for room (host_room_wait_s).
+    # (no_room: loads not streamed), or asked for again while their request waited for room (host_room_wait_s).
     "promotions_no_room", "promotion_room_waits",
+    # ... or answered as hits and promoted in a later piece of their request's load.
+    "promotions_queued",
     # Chunks pinned in the host tier for requests whose lookup waited, until they loaded them.
     "waiting_holds",
     # Disk writes run on normal-priority threads to catch up, and the share of what the disk

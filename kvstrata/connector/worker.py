@@ -232,6 +232,8 @@ class StrataWorker:
             else:
                 self._meta.bytes_loaded += nbytes if ok else 0
                 self._meta.load_seconds += elapsed
+                if job.partial:  # a piece of a load: the request is reported with its last
+                    continue
                 self._finished_loads.add(job.req_id)
                 if not ok:
                     logger.warning("kvstrata: load job %d for request %s failed; recomputing", job_id, job.req_id)

@@ -215,14 +215,17 @@ def test_a_lookup_promotes_nothing_past_the_first_missing_chunk(runners, tmp_pat
     assert second.load_errors == []
 
 
-@pytest.mark.parametrize("wait", ["no-wait", "until-room", "until-deadline"])
+@pytest.mark.parametrize("wait", ["no-wait", "until-room", "until-deadline", "not-streamed"])
 def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: Path, wait: str) -> None:
     """Every host slot but two is held (stores in flight) when a restarted engine's request
-    finds its 6 chunks on disk. With ``host_room_wait_s`` 0 it loads the 2 that fit and computes
-    the rest (what kvstrata did before). With a wait, its lookup defers while the host tier has
-    no room; once the stores let go of their slots it is served whole; and if they never do, it
-    loads what fits once it waited ``host_room_wait_s``. Watched failing with the lookup not
-    asked to wait (32 tokens loaded, not 96)."""
+    finds its 6 chunks on disk. With ``host_room_wait_s`` 0 its load is brought in pieces
+    through the two free slots (promoted, copied, unpinned, the next two promoted): served whole,
+    every page byte-checked. With a wait, its lookup defers while the host tier has no room; once
+    the stores let go of their slots it is served whole in one load; and if they never do, it
+    is loaded in pieces once it waited ``host_room_wait_s``. With loads not streamed (vLLM's
+    default kv_load_failure_policy "fail") it loads the 2 chunks that fit and computes the rest.
+    Watched failing with the lookup not asked to wait (32 tokens loaded, not 96), and before
+    loads came in pieces (32 tokens)."""
     import os
     import time
 
@@ -231,8 +234,9 @@ def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: 
     first = runners([G("full", 16)], store=store)
     first.serve(prompt, 1)
     first.close()
-    wait_s = {"no-wait": 0.0, "until-room": 60.0, "until-deadline": 0.5}[wait]
-    second = runners([G("full", 16)], store=store, extra={"host_room_wait_s": wait_s})
+    wait_s = {"no-wait": 0.0, "until-room": 60.0, "until-deadline": 0.5, "not-streamed": 0.0}[wait]
+    second = runners([G("full", 16)], store=store,
+                     extra={"host_room_wait_s": wait_s, "stream_loads": wait != "not-streamed"})
     hierarchy = second.connector.scheduler.hierarchy
     pinned = [os.urandom(28) + bytes(4) for _ in range(second.connector.scheduler.plan.num_slots - 2)]
     assert hierarchy.prepare_store(pinned) is not None
@@ -255,13 +259,21 @@ def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: 
     if wait == "until-room":
         assert second.loaded_tokens[req.request_id] == 96
         assert stats["promote_no_room"] == 0 and stats["promotions_started"] == 6, stats
-    else:
+        assert second.stats.data["pieced_loads"] == 0
+    elif wait == "not-streamed":
         assert second.loaded_tokens[req.request_id] == 32  # the two chunks that fit
-        assert stats["promote_no_room"] >= 1, stats
+        assert stats["promote_no_room"] >= 1 and stats["promote_queued"] == 0, stats
+    else:
+        assert second.loaded_tokens[req.request_id] == 96  # in three pieces of two chunks
+        assert stats["promote_no_room"] == 0 and stats["promote_queued"] >= 4, stats
+        assert stats["promotions_completed"] == 6, stats
+        assert second.stats.data["pieced_loads"] == 1 and second.stats.data["load_pieces"] == 2
+        assert second.stats.data["hit_tokens_disk"] == 96 and second.stats.data["load_failures"] == 0
         assert (stats["promote_room_waits"] > 0) == (wait == "until-deadline"), stats
         if wait == "until-deadline":
             assert time.monotonic() - started >= wait_s
-        hierarchy.complete_store(pinned, success=False)
+        assert stats["host"]["referenced"] == len(pinned)  # the load's pins all let go
+    hierarchy.complete_store(pinned, success=False)
 
 
 def _restarted_over_a_stored_prompt(runners, tmp_path: Path, prompt: list[int], **extra) -> Runner:
