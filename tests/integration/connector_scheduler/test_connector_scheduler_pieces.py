@@ -163,9 +163,17 @@ def test_a_load_in_pieces_ended_by_an_abort_or_a_reset(runners, tmp_path: Path, 
     assert req.request_id in sched._pieced  # the load began in pieces
     if end == "abort":
         r.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        # The engine core's own loop condition: vLLM steps on while the aborted request's
+        # blocks wait for its load to report finished.
+        steps = 0
+        while r.scheduler.has_requests():
+            r.step()
+            steps += 1
+            assert steps < 100_000, "the aborted request's load never ended"  # a hang guard
+        r.run_until_idle()
     else:
         r.connector.reset_cache()
-    _finish(r, req)
+        _finish(r, req)
     assert not sched._pieced
     if end == "abort":
         assert req.status == RequestStatus.FINISHED_ABORTED and req.num_output_tokens == 0
