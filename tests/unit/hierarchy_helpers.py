@@ -118,6 +118,21 @@ def store(h: Hierarchy, keys: list[bytes]) -> dict[bytes, int]:
     return slots
 
 
+def ten_on_disk_twelve_of_sixteen_slots_held(env) -> tuple[DiskStore, Hierarchy, list[bytes], dict[bytes, int]]:
+    """(disk, hierarchy, the 10 keys on disk, the slots of the 12 stores in flight): a restarted
+    hierarchy of 16 host slots, 12 of them held by stores, over a disk holding 10 chunks."""
+    disk = env.disk()
+    h = env.hier(disk, slots=16)
+    keys = [key(i) for i in range(10)]
+    store(h, keys)
+    eventually(lambda: h.stats()["writes_completed"] == 10, "write-behind")
+    h.close()
+    h2 = env.hier(disk, slots=16)
+    held = h2.prepare_store([key(100 + i) for i in range(12)])
+    assert held is not None
+    return disk, h2, keys, held
+
+
 def on_disk(disk: DiskStore, k: bytes) -> bool:
     return all(disk.contains_many([ns + k for ns in NS]))
 

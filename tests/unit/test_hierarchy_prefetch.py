@@ -24,6 +24,7 @@ from hierarchy_helpers import (
     key,
     on_disk,
     store,
+    ten_on_disk_twelve_of_sixteen_slots_held,
 )
 
 from kvstrata.tiers.disk import DiskStore
@@ -365,26 +366,11 @@ def test_a_long_prefix_run_asks_the_disk_about_a_few_chunks_past_its_first_miss(
     assert counting.probed == len(NS) * PREFIX_BATCH  # the first chunk not in the host tier misses
 
 
-def _ten_on_disk_twelve_of_sixteen_slots_held(env):
-    """(disk, hierarchy, the 10 keys on disk, the slots of the 12 stores in flight): a restarted
-    hierarchy of 16 host slots, 12 of them held by stores, over a disk holding 10 chunks."""
-    disk = env.disk()
-    h = env.hier(disk, slots=16)
-    keys = [key(i) for i in range(10)]
-    store(h, keys)
-    eventually(lambda: h.stats()["writes_completed"] == 10, "write-behind")
-    h.close()
-    h2 = env.hier(disk, slots=16)
-    held = h2.prepare_store([key(100 + i) for i in range(12)])
-    assert held is not None
-    return disk, h2, keys, held
-
-
 def test_promotions_that_do_not_all_fit_take_the_slots_there_are_in_order(env):
     """One allocation for a whole run when the host tier has room; when it has not, the run's
     first chunks get the slots there are and the rest answer MISS (never a PENDING that waits
     on a promotion that cannot start)."""
-    _, h2, keys, _ = _ten_on_disk_twelve_of_sixteen_slots_held(env)
+    _, h2, keys, _ = ten_on_disk_twelve_of_sixteen_slots_held(env)
     assert h2.lookup_many(keys, prefix=True) == [PENDING] * 4 + [MISS] * 6
     assert h2.stats()["promotions_started"] == 4
     assert h2.stats()["promote_no_room"] >= 1
@@ -400,7 +386,7 @@ def test_a_lookup_that_may_wait_for_room_asks_again_instead_of_missing(env):
     completed and written behind) the same lookup promotes them all; none is counted as
     computed. A run longer than the whole tier could never fit, and misses as before. Watched
     failing with the lookup ignoring ``wait_for_room`` (6 MISS)."""
-    disk, h2, keys, slots = _ten_on_disk_twelve_of_sixteen_slots_held(env)
+    disk, h2, keys, slots = ten_on_disk_twelve_of_sixteen_slots_held(env)
     pinned = list(slots)
     assert h2.lookup_many(keys, prefix=True, wait_for_room=True) == [PENDING] * 10
     stats = h2.stats()

@@ -18,6 +18,7 @@ from hierarchy_helpers import (
     holds,
     key,
     store,
+    ten_on_disk_twelve_of_sixteen_slots_held,
 )
 
 from kvstrata.tiers.hierarchy import Hierarchy
@@ -125,14 +126,7 @@ def test_a_run_larger_than_the_room_is_queued_and_promoted_as_room_frees(env):
     Once the first piece is loaded and let go, ``promote_queued`` promotes the next 4 in order
     and queues the last 2 again; a chunk gone from every tier then answers MISS. Every slot
     loaded holds its chunk's bytes. Watched failing without ``queued``: 6 MISS."""
-    disk = env.disk()
-    h = env.hier(disk, slots=16)
-    keys = [key(i) for i in range(10)]
-    store(h, keys)
-    eventually(lambda: h.stats()["writes_completed"] == 10, "write-behind")
-    h.close()
-    h2: Hierarchy = env.hier(disk, slots=16)
-    assert h2.prepare_store([key(100 + i) for i in range(12)]) is not None
+    disk, h2, keys, _ = ten_on_disk_twelve_of_sixteen_slots_held(env)
     with pytest.raises(ValueError, match="streamed"):
         h2.lookup_many(keys, queued=set())
     queued: set[bytes] = set()

@@ -15,6 +15,7 @@ from connector_scheduler_helpers import (
     token_prompt,
 )
 from strata_harness import G, Runner
+from vllm.v1.request import Request
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +41,20 @@ def _stored(runners, tmp_path: Path, groups: list[G], prompts: list[list[int]], 
         first.serve(prompt, 1)
     first.close()
     return store
+
+
+def _loading_in_pieces(runners, tmp_path: Path, monkeypatch, prompt: list[int],
+                       max_tokens: int) -> tuple[Runner, list[bytes], Request]:
+    """A restarted engine with two host slots free, its disk reads slowed, one step into the
+    request for ``prompt`` (six chunks on disk): its load has begun in pieces."""
+    groups = LAYOUTS["full"]
+    store = _stored(runners, tmp_path, groups, [prompt])
+    r, pinned = _served_after_restart(runners, store, groups, prompt, free=2)
+    slow_disk_reads(monkeypatch, 0.03)
+    req = r.add(prompt, max_tokens)
+    r.step()
+    assert req.request_id in r.connector.scheduler._pieced  # the load began in pieces
+    return r, pinned, req
 
 
 def _finish(r: Runner, *reqs) -> None:
@@ -128,14 +143,8 @@ def test_a_chunk_gone_from_every_tier_before_its_piece_fails_the_load(
     it in no tier, the load ends failed, and the retry is served the 80 tokens before it."""
     from test_connector_scheduler_disk_loads import _chunk_store_keys
 
-    groups = LAYOUTS["full"]
     prompt = token_prompt(96)
-    store = _stored(runners, tmp_path, groups, [prompt])
-    r, pinned = _served_after_restart(runners, store, groups, prompt, free=2)
-    slow_disk_reads(monkeypatch, 0.03)
-    req = r.add(prompt, 1)
-    r.step()
-    assert req.request_id in r.connector.scheduler._pieced  # the load began in pieces
+    r, pinned, req = _loading_in_pieces(runners, tmp_path, monkeypatch, prompt, 1)
     assert r.connector.scheduler.hierarchy.tiers[0].delete_many(_chunk_store_keys(r, prompt)[5:]) == 1
     _finish(r, req)
     assert r.load_errors == []
@@ -152,15 +161,9 @@ def test_a_load_in_pieces_ended_by_an_abort_or_a_reset(runners, tmp_path: Path, 
     that fails), releases every slot, and the prompt is served whole afterwards."""
     from vllm.v1.request import RequestStatus
 
-    groups = LAYOUTS["full"]
     prompt = token_prompt(96)
-    store = _stored(runners, tmp_path, groups, [prompt])
-    r, pinned = _served_after_restart(runners, store, groups, prompt, free=2)
-    slow_disk_reads(monkeypatch, 0.03)
-    req = r.add(prompt, 4)
-    r.step()
+    r, pinned, req = _loading_in_pieces(runners, tmp_path, monkeypatch, prompt, 4)
     sched = r.connector.scheduler
-    assert req.request_id in sched._pieced  # the load began in pieces
     if end == "abort":
         r.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
         # The engine core's own loop condition: vLLM steps on while the aborted request's
