@@ -96,7 +96,7 @@ class LookupMixin:
         # Streamed loads: chunks a lower tier holds that the host tier has no room for are hits
         # too, loaded in pieces as room frees (connector/pieces.py), unless this lookup waits
         # for room instead (host_room_wait_s).
-        queued: set[bytes] | None = set() if self.stream_loads else None
+        queued: set[bytes] | None = set() if self.stream_loads and not st.no_pieces else None
 
         def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
             keys = list(keys)

@@ -16,11 +16,12 @@ state it reads and writes.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from kvstrata import semantics
 from kvstrata.connector.metadata import ChunkCopy, TransferJob
-from kvstrata.connector.request_state import Job, RequestState
+from kvstrata.connector.request_state import Job, PieceLoad, RequestState
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
 from kvstrata.tiers.manager import TierManager
@@ -33,6 +34,7 @@ class PieceLoadsMixin:
     layout: semantics.Layout
     hierarchy: TierManager
     stats: StrataStats
+    host_room_wait_s: float
     _reqs: dict[str, RequestState]
     _jobs: dict[int, Job]
     _loads: list[TransferJob]
@@ -51,6 +53,9 @@ class PieceLoadsMixin:
         asked about as many chunks as it has room for: a load may be thousands of chunks, and
         one waiting for room is looked at every step)."""
         room = self.hierarchy.host_room()
+        # Whether some load's piece is in flight: its slots come back when it ends, so waiting
+        # for room is then not timed (``_wait_for_room``).
+        moving = any(st.jobs for st in map(self._reqs.get, self._pieced) if st is not None)
         for req_id in list(self._pieced):
             st = self._reqs.get(req_id)
             pieces = None if st is None else st.pieces
@@ -63,6 +68,7 @@ class PieceLoadsMixin:
                 self._fail_pieces(st)
                 continue
             if room <= 0:  # none yet: asked again next step (ending failed loads goes on)
+                self._wait_for_room(st, pieces, timed=not moving)
                 continue
             ahead = pieces.transfers[:room]
             still: set[bytes] = set()
@@ -76,9 +82,32 @@ class PieceLoadsMixin:
                      if a is Presence.HIT and t.key not in still}
             if ready:
                 pieces.transfers = [t for i, t in enumerate(pieces.transfers) if i not in ready]
+                pieces.waiting_since = None
                 self._start_piece(st, [ahead[i] for i in sorted(ready)])
                 self.stats.load_pieces += 1
                 room = self.hierarchy.host_room()
+                moving = True
+            else:
+                self._wait_for_room(st, pieces, timed=not moving)
+
+    def _wait_for_room(self, st: RequestState, pieces: PieceLoad, timed: bool) -> None:
+        """The next piece found no room. A piece in flight gives its slots back when it ends
+        (not ``timed``); otherwise room comes back only as stores, writes behind and waiting
+        requests let go of slots, which a saturated CPU (background threads) or vLLM's
+        scheduling (a waiting request's held chunks) may hold up: a load that waited so for
+        ``host_room_wait_s`` (at least one step) is ended failed, and its request computes what
+        does not fit from then on (``RequestState.no_pieces``), as it did before loads came in
+        pieces, rather than wait on."""
+        if not timed:
+            pieces.waiting_since = None
+            return
+        now = time.monotonic()
+        if pieces.waiting_since is None:
+            pieces.waiting_since = now
+        elif now - pieces.waiting_since >= self.host_room_wait_s:
+            st.no_pieces = True
+            self.stats.pieced_loads_given_up += 1
+            self._fail_pieces(st)
 
     def _start_piece(self, st: RequestState, transfers: list[semantics.ChunkTransfer],
                      copies: list[ChunkCopy] | None = None) -> None:

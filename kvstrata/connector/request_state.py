@@ -39,6 +39,8 @@ class PieceLoad:
     # A piece failed, a chunk left every tier, the request finished or the cache was reset:
     # the load's last job then fails it (vLLM recomputes, or frees the request's blocks).
     failed: bool = False
+    # Since when the next piece has waited for host-tier room (None: not waiting).
+    waiting_since: float | None = None
 
 
 @dataclass
@@ -90,6 +92,9 @@ class RequestState:
     queued: set[bytes] = field(default_factory=set)
     # The rest of a load brought in pieces, while the request waits for it (None: no such load).
     pieces: PieceLoad | None = None
+    # A load of this request in pieces waited too long for host-tier room and was given up:
+    # its later lookups compute what does not fit instead of loading it in pieces again.
+    no_pieces: bool = False
     # Tokens kvstrata served this request by the tier they came from (its last load that
     # succeeded), handed back in the request's output (``SERVED_PARAM``).
     served: dict[str, int] = field(default_factory=dict)

@@ -35,6 +35,8 @@ COUNTERS = {
     "pieced_loads": "Loads larger than the host tier's room, promoted and copied a piece at a time "
                     "instead of computing what did not fit",
     "load_pieces": "Load jobs after the first of loads brought in pieces",
+    "pieced_loads_given_up": "Loads in pieces ended (recomputed) after waiting host_room_wait_s for "
+                             "room for their next piece",
     "store_jobs": "Store jobs (device -> host)",
     "bytes_loaded": "Bytes copied host -> device",
     "bytes_stored": "Bytes copied device -> host",

@@ -188,3 +188,28 @@ def test_a_load_in_pieces_ended_by_an_abort_or_a_reset(runners, tmp_path: Path, 
     r.drop_gpu_prefix_cache()
     assert r.serve(prompt, 1) == 96
     assert r.load_errors == []
+
+
+def test_a_load_in_pieces_that_finds_no_room_is_given_up_and_computed(runners, tmp_path: Path) -> None:
+    """Every host slot is held (stores in flight) when a restarted engine's request finds its 6
+    chunks on disk: its lookup answers them all, but no piece ever gets room and no piece is in
+    flight to give any back. Once it waited ``host_room_wait_s`` the load is ended failed and
+    vLLM recomputes the request, which then computes what does not fit rather than waiting again
+    (never served wrong: the harness checks every attended position). Once the slots are let go,
+    the next request is served whole."""
+    groups = LAYOUTS["full"]
+    prompt = token_prompt(96)
+    store = _stored(runners, tmp_path, groups, [prompt])
+    r, pinned = _served_after_restart(runners, store, groups, prompt, free=0)
+    req = r.add(prompt, 2)
+    _finish(r, req)
+    assert r.load_errors == []
+    data = r.stats.data
+    assert data["pieced_loads"] == 1 and data["pieced_loads_given_up"] == 1, data
+    assert data["load_failures"] == 1 and data["hit_tokens"] == 0, data
+    assert req.num_output_tokens == 2
+    r.connector.scheduler.hierarchy.complete_store(pinned, success=False)
+    assert_host_tier_released(r)
+    r.drop_gpu_prefix_cache()
+    assert r.serve(prompt, 1) == 96
+    assert r.load_errors == []
