@@ -204,7 +204,10 @@ def test_a_tight_host_tier_serves_from_disk(scenarios: Callable[[str], Scenario]
     assert metric(step, "kvstrata_promotion_room_waits") > 0, dump(step["metrics"])
     assert (metric(step, "kvstrata_pieced_loads") > 0) is in_pieces, dump(step["metrics"])
     assert (metric(step, "kvstrata_load_pieces") > 0) is in_pieces, dump(step["metrics"])
-    assert metric(step, "kvstrata_load_failures") == 0, dump(step["metrics"])
+    # Loads fail here only where a piece waited host_room_wait_s for room with none moving
+    # (given up and computed; the round's verdict covers what was served).
+    assert (metric(step, "kvstrata_load_failures")
+            == metric(step, "kvstrata_pieced_loads_given_up")), dump(step["metrics"])
     assert metric(step, "kvstrata_host_bytes") <= 1 << 20, dump(step["metrics"])
 
 
