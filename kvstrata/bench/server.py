@@ -317,6 +317,8 @@ HIT_SERIES = {
 # promotions (disk -> host). Counters are deltas over the run, gauges the value at its end.
 KVSTRATA_SERIES = {
     "allocation_failures": "vllm:kvstrata_allocation_failures_total",
+    # Offers the host tier had room for only the start of: that start stored, the rest later.
+    "stores_cut": "vllm:kvstrata_stores_cut_total",
     "late_tail_stores": "vllm:kvstrata_late_tail_stores_total",
     "load_failures": "vllm:kvstrata_load_failures_total",
     "store_jobs": "vllm:kvstrata_store_jobs_total",
@@ -337,6 +339,7 @@ KVSTRATA_SERIES = {
     # Loads larger than the host tier's room, brought through it in pieces, and their pieces.
     "pieced_loads": "vllm:kvstrata_pieced_loads_total",
     "load_pieces": "vllm:kvstrata_load_pieces_total",
+    "pieced_loads_given_up": "vllm:kvstrata_pieced_loads_given_up_total",
     "promotions_queued": "vllm:kvstrata_promotions_queued",
     # Chunks pinned for requests whose lookup waited, until they loaded them.
     "waiting_holds": "vllm:kvstrata_waiting_holds",

@@ -202,8 +202,12 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
         if self._block_jobs and not self._block_jobs.keys().isdisjoint(self._allocated):
             for bid in self._allocated & self._block_jobs.keys():
                 self._flush.update(self._block_jobs[bid])
-        stores = (self._finished_hand_offs + self._boundary_store_jobs(so) + self._store_jobs(so)
-                  + self._prompt_tail_store_jobs(so) + self._answer_tail_store_jobs(so))
+        # A prompt's tail refused for want of room goes before the chunks: it can be stored only
+        # while decoding is inside its chunk, a full-attention chunk until its request finishes.
+        # In the step that completes the prompt the chunks go first (a tail serves only after them).
+        stores = (self._finished_hand_offs + self._boundary_store_jobs(so)
+                  + self._prompt_tail_store_jobs(so, refused=True) + self._store_jobs(so)
+                  + self._prompt_tail_store_jobs(so, refused=False) + self._answer_tail_store_jobs(so))
         self._finished_hand_offs = []
         if self._pieced:
             self._load_next_pieces()

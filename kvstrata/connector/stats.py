@@ -43,7 +43,9 @@ COUNTERS = {
     "load_seconds": "Seconds load jobs took: a synchronous one until the forward could start "
                     "(chunks still landing from disk included), others until reported done",
     "store_seconds": "Seconds spent in device -> host copies",
-    "allocation_failures": "Stores refused: no free host slot",
+    "allocation_failures": "Stores refused: no free host slot for even the start of their offer",
+    "stores_cut": "Stores of the start of an offer the host tier had no room for in whole "
+                  "(the rest is offered again in later steps)",
     "late_tail_stores": "Prompt tails stored while their request decoded, the host tier having had "
                         "no room in the step that completed the prompt",
     "load_failures": "Load jobs that failed (request recomputed)",

@@ -48,9 +48,10 @@ class StoreJobsMixin:
         def _geom(self, index: int) -> semantics.GroupGeometry: ...
         def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
 
-    def _prompt_tail_store_jobs(self, so: SchedulerOutput) -> list[TransferJob]:
-        """Store the prompt's tail chunk in the step whose forward completes the prompt, or in a
-        later one while decoding is still inside that chunk, when the host tier had no room."""
+    def _prompt_tail_store_jobs(self, so: SchedulerOutput, *, refused: bool) -> list[TransferJob]:
+        """Store the prompt's tail chunk in the step whose forward completes the prompt, or
+        (``refused``) in a later one while decoding is still inside that chunk, when the host
+        tier had no room."""
         if not self.layout.serves_prompt_tails:
             return []
         jobs: list[TransferJob] = []
@@ -59,10 +60,17 @@ class StoreJobsMixin:
             if st is None:
                 continue
             req = st.req
+            if st.tail_store_refused is not refused:
+                continue
             block_ids = {g: gs.block_ids for g, gs in st.groups.items()}
-            if semantics.completes_prompt(num_prompt_tokens=req.num_prompt_tokens,
-                                          computed_before=req.num_computed_tokens,
-                                          computed_after=req.num_computed_tokens + scheduled):
+            if refused:
+                transfers = semantics.plan_prompt_tail_store_again(
+                    self.layout, num_prompt_tokens=req.num_prompt_tokens,
+                    num_computed_tokens=req.num_computed_tokens, block_ids=block_ids,
+                    tail_keys=self._prompt_tail_keys(st), max_offload_tokens=st.max_offload_tokens)
+            elif semantics.completes_prompt(num_prompt_tokens=req.num_prompt_tokens,
+                                            computed_before=req.num_computed_tokens,
+                                            computed_after=req.num_computed_tokens + scheduled):
                 transfers = semantics.plan_prompt_tail_store(
                     self.layout,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -72,15 +80,10 @@ class StoreJobsMixin:
                     tail_keys=self._prompt_tail_keys(st),
                     max_offload_tokens=st.max_offload_tokens,
                 )
-            elif st.tail_store_refused:
-                transfers = semantics.plan_prompt_tail_store_again(
-                    self.layout, num_prompt_tokens=req.num_prompt_tokens,
-                    num_computed_tokens=req.num_computed_tokens, block_ids=block_ids,
-                    tail_keys=self._prompt_tail_keys(st), max_offload_tokens=st.max_offload_tokens)
             else:
                 continue  # every other step of the request: no tail to store
             tail_jobs = self._tail_store_jobs(st, transfers)
-            if tail_jobs and st.tail_store_refused:
+            if tail_jobs and refused:
                 self.stats.late_tail_stores += 1
             st.tail_store_refused = tail_jobs is None
             jobs.extend(tail_jobs or ())
@@ -144,27 +147,35 @@ class StoreJobsMixin:
             if not semantics.store_pending(self.layout, offloadable=offloadable, finished=req.is_finished(),
                                            next_stored_chunk=next_stored_chunk):
                 continue
-            candidates, next_stored = semantics.plan_store(
-                self.layout,
-                offloadable=offloadable,
-                num_prompt_tokens=req.num_prompt_tokens,
-                finished=req.is_finished(),
-                next_stored_chunk=next_stored_chunk,
-                block_ids={g: gs.block_ids for g, gs in st.groups.items()},
-                keys={g: gs.keys for g, gs in st.groups.items()},
-                prompt_offloadable=semantics.offloadable_tokens(
+            plan: dict[str, Any] = {
+                "num_prompt_tokens": req.num_prompt_tokens,
+                "next_stored_chunk": next_stored_chunk,
+                "block_ids": {g: gs.block_ids for g, gs in st.groups.items()},
+                "keys": {g: gs.keys for g, gs in st.groups.items()},
+                "prompt_offloadable": semantics.offloadable_tokens(
                     num_computed=req.num_prompt_tokens, num_scheduled=0, num_tokens=req.num_tokens,
                     num_prompt_tokens=req.num_prompt_tokens, finished=False, aborted=False,
                     offload_prompt_only=self.offload_prompt_only, max_offload_tokens=st.max_offload_tokens,
                 ),
-                shared_prefix_boundary=getattr(req, "shared_prefix_boundary", None),
-            )
+                "shared_prefix_boundary": getattr(req, "shared_prefix_boundary", None),
+            }
+            candidates, next_stored = semantics.plan_store(
+                self.layout, offloadable=offloadable, finished=req.is_finished(), **plan)
             if not candidates:
                 self._advance(st, next_stored)
                 continue
-            reserved = self._reserve(candidates)
+            reserved = self._reserve(candidates, count_failure=False)
             if reserved is None:
-                continue
+                # No room for the whole offer: store the longest start of it the room holds now
+                # (a long prefill's offer could otherwise be refused at every step while the
+                # write-behind holds room, and never reach the disk).
+                candidates, next_stored = semantics.plan_store_within(
+                    self.layout, self.hierarchy.host_room(), offloadable=offloadable, **plan)
+                reserved = self._reserve(candidates, count_failure=False) if candidates else None
+                if reserved is None:
+                    self.stats.allocation_failures += 1
+                    continue
+                self.stats.stores_cut += 1
             chosen, slots = reserved
             self._advance(st, next_stored)
             if not chosen:
@@ -173,12 +184,14 @@ class StoreJobsMixin:
             jobs.append(job)
         return jobs
 
-    def _reserve(self, transfers: list[Any]) -> tuple[list[Any], dict[bytes, int]] | None:
+    def _reserve(self, transfers: list[Any], *, count_failure: bool = True
+                 ) -> tuple[list[Any], dict[bytes, int]] | None:
         """The transfers whose keys the host tier takes (not already stored), with their slots;
-        None when it cannot allocate."""
+        None when it cannot allocate (an allocation failure, if ``count_failure``)."""
         slots = self.hierarchy.prepare_store([t.key for t in transfers])
         if slots is None:
-            self.stats.allocation_failures += 1
+            if count_failure:
+                self.stats.allocation_failures += 1
             return None
         return [t for t in transfers if t.key in slots], slots
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstrata.semantics.geometry import GroupGeometry, GroupKind, Layout, cdiv
 from kvstrata.semantics.transfers import ChunkTransfer
@@ -393,3 +393,87 @@ def plan_store(
             boundaries=boundaries,
         )
     return candidates, advanced
+
+
+def plan_store_within(
+    layout: Layout,
+    room: int,
+    *,
+    offloadable: int,
+    num_prompt_tokens: int,
+    next_stored_chunk: Mapping[int, int],
+    block_ids: Mapping[int, Sequence[int]],
+    keys: Mapping[int, Sequence[bytes]],
+    prompt_offloadable: int | None = None,
+    shared_prefix_boundary: int | None = None,
+    keep_served_tails: bool = True,
+) -> tuple[list[ChunkTransfer], dict[int, int]]:
+    """What ``room`` candidates hold of this step's store plan, when the whole offer found no
+    room (§3.8 D5): each group's plan as if only its first ``cut`` tokens had been computed
+    (what an earlier step of the running request offers), the rest offered again from the
+    returned scan positions, as after any store.
+
+    Windowed groups (sliding window, chunked local, Mamba) come first, whole: their blocks leave
+    the request's table as it runs on, while a full-attention group's stay until it finishes.
+    The full-attention groups then take the largest cut, a multiple of their smallest chunk,
+    that the rest of the room holds. Where the windowed groups' plan alone is more than the
+    room, every group takes one cut. The plan is the running request's even for a finished one
+    (its finish-time extras, R29 and the final segment's tail, need the whole offer).
+    ``([], {})`` when not even the first cut fits, or no cut offers anything.
+    """
+    if room <= 0:
+        return [], {}
+
+    def plan(cut: int) -> tuple[list[ChunkTransfer], dict[int, int]]:
+        return plan_store(
+            layout, offloadable=cut, num_prompt_tokens=num_prompt_tokens, finished=False,
+            next_stored_chunk=next_stored_chunk, block_ids=block_ids, keys=keys,
+            prompt_offloadable=prompt_offloadable, shared_prefix_boundary=shared_prefix_boundary,
+            keep_served_tails=keep_served_tails,
+        )  # fmt: skip
+
+    storing = [g for g in layout.groups if not g.is_align_mamba]
+    full = {g.index for g in storing if not g.is_windowed}
+    windowed_first: tuple[list[ChunkTransfer], dict[int, int]] = ([], {})
+    if full and len(full) < len(storing):
+        whole, advanced = plan(offloadable)
+        windowed = [t for t in whole if t.group not in full]
+        if len(windowed) <= room:
+            windowed_first = (windowed, {g: n for g, n in advanced.items() if g not in full})
+    kept, kept_advanced = windowed_first
+    cut_groups = [g for g in storing if g.index in full] if windowed_first[1] else storing
+    candidates, advanced = _longest_cut(plan, room - len(kept), offloadable, cut_groups)
+    if not kept and not candidates:
+        return [], {}
+    merged = kept + candidates
+    merged.sort(key=lambda t: (t.group, t.chunk_index))
+    return merged, {**advanced, **kept_advanced}
+
+
+def _longest_cut(
+    plan: Callable[[int], tuple[list[ChunkTransfer], dict[int, int]]],
+    room: int,
+    offloadable: int,
+    groups: Sequence[GroupGeometry],
+) -> tuple[list[ChunkTransfer], dict[int, int]]:
+    """``groups``' candidates and scan positions for the largest cut whose candidates number at
+    most ``room`` and offer something (``([], {})`` if none)."""
+    if room <= 0 or not groups:
+        return [], {}
+    indices = {g.index for g in groups}
+    grain = min(g.tokens_per_chunk for g in groups)
+    best: tuple[list[ChunkTransfer], dict[int, int]] = ([], {})
+    # Binary search over cuts: the candidates grow with the cut (a drafter's held-back chunk
+    # can make them shrink by one where decoding starts, which at worst picks a shorter cut).
+    lo, hi = 1, offloadable // grain
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        whole, advanced = plan(mid * grain)
+        candidates = [t for t in whole if t.group in indices]
+        if len(candidates) <= room:
+            if candidates:
+                best = (candidates, {g: n for g, n in advanced.items() if g in indices})
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return best

@@ -22,6 +22,7 @@ from kvstrata.semantics import (
     offloadable_tokens,
     plan_boundary_stores,
     plan_store,
+    plan_store_within,
 )
 
 HIT, MISS, PENDING, RETRY = Presence.HIT, Presence.MISS, Presence.PENDING, Presence.RETRY
@@ -132,9 +133,12 @@ def run_request(
     offload_prompt_only: bool = True,
     tag: str = "",
     keep_served_tails: bool = True,
+    room: int | None = None,
 ) -> list[list[tuple[int, int]]]:
     """Prefill (in steps), decode one token per step, finish; store what ``plan_store`` offers and
     the Mamba states the scheduler would hand off (every Mamba chunk boundary computed so far).
+    ``room``: a host tier with room for that many chunks a step before the finish: an offer of
+    more stores ``plan_store_within``'s start of it, as the adapter does (§3.8 D5).
     Returns the (group, chunk) stored per step."""
     total = prompt + decode + 1  # the last sampled token is never computed
     hs = hashes(total, layout.tokens_per_hash, tag)
@@ -156,11 +160,14 @@ def run_request(
             num_prompt_tokens=prompt, finished=finished, aborted=False,
             offload_prompt_only=offload_prompt_only, max_offload_tokens=None,
         )  # fmt: skip
-        candidates, advanced = plan_store(
-            layout, offloadable=offloadable, num_prompt_tokens=prompt, finished=finished,
-            next_stored_chunk=next_stored, block_ids=blocks, keys=keys_of(layout, visible),
-            keep_served_tails=keep_served_tails,
-        )  # fmt: skip
+        plan = {
+            "num_prompt_tokens": prompt, "next_stored_chunk": dict(next_stored), "block_ids": blocks,
+            "keys": keys_of(layout, visible), "keep_served_tails": keep_served_tails,
+        }  # fmt: skip
+        candidates, advanced = plan_store(layout, offloadable=offloadable, finished=finished, **plan)
+        if room is not None and not finished and len(candidates) > room:
+            candidates, advanced = plan_store_within(layout, room, offloadable=offloadable, **plan)
+            assert len(candidates) <= room
         limit = offloadable_tokens(
             num_computed=num_tokens, num_scheduled=0, num_tokens=num_tokens,
             num_prompt_tokens=prompt, finished=False, aborted=False,

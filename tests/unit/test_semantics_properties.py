@@ -328,6 +328,26 @@ def test_property_store_then_serve_roundtrip(layout, prompt, retention, data):
         assert round_down(full, layout.alignment_tokens) <= served <= full
 
 
+@_ROUNDTRIP_SETTINGS
+@given(layouts(), st.integers(1, 300), st.sampled_from([None, 0, 1]), st.integers(1, 5), st.data())
+def test_property_stores_cut_to_the_room_store_what_whole_offers_store(layout, prompt, retention,
+                                                                       room, data):
+    """A host tier with room for only ``room`` chunks a step (``plan_store_within``'s start of
+    each offer, §3.8 D5) stores, by the request's finish, exactly the chunks the whole offers
+    store: the cut never skips a chunk, stores one no whole offer would, or leaves a group's
+    scan past what it stored."""
+    if retention == 1:
+        windowed = [g.tokens_per_chunk for g in layout.groups if g.is_windowed] or [1]
+        retention = math.lcm(*windowed) * data.draw(st.integers(1, 3))
+    layout = Layout(layout.groups, retention_interval=retention)
+    step = data.draw(st.sampled_from([None, 1, 7, 64]))
+    decode = data.draw(st.integers(0, 6))
+    whole, cut = MemoryStore(), MemoryStore()
+    run_request(layout, whole, prompt, prefill_step=step, decode=decode)
+    run_request(layout, cut, prompt, prefill_step=step, decode=decode, room=room)  # asserts the room
+    assert cut.keys == whole.keys
+
+
 def test_exact_replay_with_drafter_under_sparse_retention():
     """vLLM 0.32.0 gap that kvstrata closes: with a retention interval (vLLM's default 0) a regular
     sliding-window group keeps its tail only at the replay boundary (199 -> 192), but a

@@ -29,6 +29,7 @@ from kvstrata.semantics import (
     offloadable_tokens,
     plan_boundary_stores,
     plan_store,
+    plan_store_within,
     sliding_reachable_mask,
     storable_chunks,
 )
@@ -160,6 +161,82 @@ def test_chunked_prefill_uses_final_sliding_store_horizon(aborted, horizon):
     stored = set(_stored_blocks(layout, 1200, steps, aborted=aborted)[1])
     expected = {c for c in range(horizon) if c % 9 >= min(9, horizon - (c - c % 9)) - 4}
     assert stored == expected
+
+
+def _plan(layout: Layout, prompt: int, next_stored: dict[int, int]) -> dict:
+    """plan_store's arguments for a request whose ``prompt`` tokens all have blocks and keys."""
+    blocks = {g.index: list(range(1, cdiv(prompt, g.tokens_per_block) + 1)) for g in layout.groups}
+    return {
+        "num_prompt_tokens": prompt, "next_stored_chunk": next_stored, "block_ids": blocks,
+        "keys": {g: ks for g, ks in keys_of(layout, hashes(prompt, layout.tokens_per_hash)).items()},
+    }  # fmt: skip
+
+
+def test_store_within_takes_the_longest_start_the_room_holds():
+    """A 10-chunk offer and room for 3: chunks 0-2 now, the scan at 3, the rest offered from there."""
+    layout = Layout((fa(0, **T4),))
+    plan = _plan(layout, 40, {0: 0})
+    whole, _ = plan_store(layout, offloadable=40, finished=False, **plan)
+    assert len(whole) == 10
+    part, advanced = plan_store_within(layout, 3, offloadable=40, **plan)
+    assert [t.chunk_index for t in part] == [0, 1, 2] and advanced == {0: 3}
+    rest, advanced = plan_store_within(layout, 3, offloadable=40, **{**plan, "next_stored_chunk": {0: 3}})
+    assert [t.chunk_index for t in rest] == [3, 4, 5] and advanced == {0: 6}
+    assert part == whole[:3] and rest == whole[3:6]
+
+
+def test_store_within_stores_the_window_first_then_a_full_attention_start():
+    """Full attention and a sliding window kept only at the replay boundary (retention 0): six
+    full-attention chunks and the window's tail, chunks 4-5. The window's blocks leave the
+    table as the request decodes, the full-attention ones stay: with room for two or more the
+    window's tail is stored whole, and the full-attention group takes the start the rest holds."""
+    layout = Layout((fa(0, **E), sw(1, 64, **E)), retention_interval=0)
+    plan = _plan(layout, 200, {0: 0, 1: 0})
+    whole, _ = plan_store(layout, offloadable=200, finished=False, **plan)
+    assert [(t.group, t.chunk_index) for t in whole] == [(0, c) for c in range(6)] + [(1, 4), (1, 5)]
+    for room in range(2, len(whole) + 1):
+        part, advanced = plan_store_within(layout, room, offloadable=200, **plan)
+        assert part == whole[: room - 2] + whole[6:]  # group-major, as the whole offer
+        assert advanced == ({0: room - 2, 1: 6} if room > 2 else {1: 6})
+    # Room for one: the window's tail does not fit, so both groups take one cut (32 tokens).
+    part, advanced = plan_store_within(layout, 1, offloadable=200, **plan)
+    assert part == whole[:1] and advanced == {0: 1, 1: 1}
+
+
+def test_store_within_cuts_every_group_at_one_token_boundary_when_the_window_does_not_fit():
+    """A window kept in every chunk (retention None, six chunks) is more than the room (up to
+    five): every group takes the plan of the first ``cut`` tokens, the largest whose candidates
+    the room holds."""
+    layout = Layout((fa(0, **E), sw(1, 16, **E)), retention_interval=None)
+    plan = _plan(layout, 200, {0: 0, 1: 0})
+    whole, _ = plan_store(layout, offloadable=200, finished=False, **plan)
+    assert len(whole) == 12
+    for room in range(2, 6):
+        part, advanced = plan_store_within(layout, room, offloadable=200, **plan)
+        chunks = room // 2
+        assert advanced == {0: chunks, 1: chunks}
+        assert part == plan_store(layout, offloadable=32 * chunks, finished=False, **plan)[0]
+        assert [(t.group, t.chunk_index) for t in part] == [(g, c) for g in (0, 1) for c in range(chunks)]
+
+
+@pytest.mark.parametrize("room", [0, 1])
+def test_store_within_offers_nothing_when_the_first_cut_does_not_fit(room):
+    """Two groups whose first chunk is each a candidate: room for one is no start at all."""
+    layout = Layout((fa(0, **E), sw(1, 16, **E)), retention_interval=None)
+    plan = _plan(layout, 96, {0: 0, 1: 0})
+    assert plan_store_within(layout, room, offloadable=96, **plan) == ([], {})
+
+
+def test_store_within_plans_a_finished_request_as_a_running_one():
+    """A finished drafter's held-back last chunk is promoted only by the whole offer (R29)."""
+    layout = Layout((fa(0, **T4, drafter=True),))
+    plan = _plan(layout, 16, {0: 0})
+    plan["block_ids"] = {0: [1, 2, 3, 4, 5]}
+    plan["keys"] = keys_of(layout, hashes(20, 4))
+    whole, _ = plan_store(layout, offloadable=20, finished=True, **plan)
+    assert [t.chunk_index for t in whole] == [0, 1, 2, 3, 4]
+    part, advanced = plan_store_within(layout, 4, offloadable=20, **plan)
+    assert [t.chunk_index for t in part] == [0, 1, 2, 3] and advanced == {0: 4}
 
 
 def test_drafter_sliding_store_needs_one_more_block():
