@@ -53,9 +53,10 @@ class PieceLoadsMixin:
         asked about as many chunks as it has room for: a load may be thousands of chunks, and
         one waiting for room is looked at every step)."""
         room = self.hierarchy.host_room()
-        # Whether some load's piece is in flight: its slots come back when it ends, so waiting
-        # for room is then not timed (``_wait_for_room``).
-        moving = any(st.jobs for st in map(self._reqs.get, self._pieced) if st is not None)
+        # Whether some load is in flight (a piece, the last one included, or a load not in
+        # pieces): its slots come back when it ends, so waiting for room is then not timed
+        # (``_wait_for_room``).
+        moving = any(not job.is_store for job in self._jobs.values())
         for req_id in list(self._pieced):
             st = self._reqs.get(req_id)
             pieces = None if st is None else st.pieces
@@ -91,7 +92,7 @@ class PieceLoadsMixin:
                 self._wait_for_room(st, pieces, timed=not moving)
 
     def _wait_for_room(self, st: RequestState, pieces: PieceLoad, timed: bool) -> None:
-        """The next piece found no room. A piece in flight gives its slots back when it ends
+        """The next piece found no room. A load in flight gives its slots back when it ends
         (not ``timed``); otherwise room comes back only as stores, writes behind and waiting
         requests let go of slots, which a saturated CPU (background threads) or vLLM's
         scheduling (a waiting request's held chunks) may hold up: a load that waited so for

@@ -93,13 +93,20 @@ def test_a_hit_larger_than_the_host_tier_s_room_is_loaded_whole_in_pieces(
     assert roomy.stats.data["pieced_loads"] == 0 and roomy.load_errors == []
 
 
-def test_two_loads_in_pieces_share_the_room(runners, tmp_path: Path) -> None:
+@pytest.mark.parametrize("slow_reads", [False, True], ids=["reads", "slow-reads"])
+def test_two_loads_in_pieces_share_the_room(runners, tmp_path: Path, monkeypatch, slow_reads: bool) -> None:
     """Two restarted requests, each six chunks on disk, and three host slots free: both are
-    served whole (the older load takes the room first; neither waits on the other for ever)."""
+    served whole (the older load takes the room first; neither waits on the other for ever).
+    With disk reads slowed, the second load waits steps for room while the first one's last
+    piece lands: a load in flight, so not a wait to give up on (``host_room_wait_s`` is 0
+    here). Watched failing when only pieces before the last counted: the second load given
+    up, 48 tokens served."""
     groups = LAYOUTS["full"]
     prompts = [token_prompt(96, seed=1), token_prompt(96, seed=2)]
     store = _stored(runners, tmp_path, groups, prompts)
     r, pinned = _served_after_restart(runners, store, groups, prompts[0], free=3)
+    if slow_reads:
+        slow_disk_reads(monkeypatch, 0.03)
     reqs = [r.add(p, 1) for p in prompts]
     _finish(r, *reqs)
     assert [r.loaded_tokens[q.request_id] for q in reqs] == [96, 96]
