@@ -202,6 +202,10 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
         if self._block_jobs and not self._block_jobs.keys().isdisjoint(self._allocated):
             for bid in self._allocated & self._block_jobs.keys():
                 self._flush.update(self._block_jobs[bid])
+        # Room freed since the last step goes to loads in pieces first: their requests wait for
+        # them, while a store can take the room left (cut to it) and offer the rest later.
+        if self._pieced:
+            self._load_next_pieces()
         # A prompt's tail refused for want of room goes before the chunks: it can be stored only
         # while decoding is inside its chunk, a full-attention chunk until its request finishes.
         # In the step that completes the prompt the chunks go first (a tail serves only after them).
@@ -209,8 +213,6 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
                   + self._prompt_tail_store_jobs(so, refused=True) + self._store_jobs(so)
                   + self._prompt_tail_store_jobs(so, refused=False) + self._answer_tail_store_jobs(so))
         self._finished_hand_offs = []
-        if self._pieced:
-            self._load_next_pieces()
         meta = StrataMetadata(loads=self._loads, stores=stores, flush=self._flush)
         for req_id in so.finished_req_ids or ():
             self._awaiting.discard(req_id)
