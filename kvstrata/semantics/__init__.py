@@ -90,8 +90,9 @@ Stores (``store``)
     keys, prompt_offloadable=None, shared_prefix_boundary=None) -> (candidates, next_stored)``
     (§3.8 D3-D6, R31 reachability for retention None / 0 / > 0, drafter +1, final-segment horizons).
     ``plan_store_within(layout, room, *, offloadable, ...) -> (candidates, next_stored)``: when
-    the whole offer found no room, the longest start of the plan that ``room`` candidates hold
-    (the plan of an earlier step of the running request; kvstrata only, vLLM retries the whole).
+    the whole offer found no room, what ``room`` candidates hold of it: the windowed groups'
+    plan, then the full-attention groups' longest start (plans of an earlier step of the
+    running request; kvstrata only, vLLM retries the whole offer).
     ``store_pending(layout, *, offloadable, finished, next_stored_chunk) -> bool``: False only
     where ``plan_store`` would offer nothing and advance nothing (the adapter's per-step skip).
     ``sliding_reachable_mask``, ``mamba_reachable_mask`` (R31 ports). ``keep_served_tails`` (default True; False = vLLM) also keeps the window tails where drafter-popped and Mamba-rounded replays end (``served_boundaries``): vLLM 0.32.0 serves those replays nothing.

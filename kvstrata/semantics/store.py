@@ -445,8 +445,8 @@ def plan_store_within(
     candidates, advanced = _longest_cut(plan, room - len(kept), offloadable, cut_groups)
     if not kept and not candidates:
         return [], {}
-    merged = kept + candidates
-    merged.sort(key=lambda t: (t.group, t.chunk_index))
+    order = {g.index: i for i, g in enumerate(layout.groups)}
+    merged = sorted(kept + candidates, key=lambda t: (order[t.group], t.chunk_index))
     return merged, {**advanced, **kept_advanced}
 
 

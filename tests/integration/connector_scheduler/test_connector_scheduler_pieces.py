@@ -115,6 +115,30 @@ def test_two_loads_in_pieces_share_the_room(runners, tmp_path: Path, monkeypatch
     assert_host_tier_released(r)
 
 
+def test_room_freed_goes_to_a_load_in_pieces_before_a_store(runners, tmp_path: Path) -> None:
+    """Three host slots free: one restarted request loads six chunks in pieces while another
+    computes a new 200-token prompt, whose stores want those slots at every step. The slots a
+    piece gives back go to the next piece first (the store takes what is left, cut to it), so
+    the load is never left waiting with no load in flight (``host_room_wait_s`` is 0 here):
+    served whole, none given up, and the new prompt is stored too once the load is done.
+    Watched failing with the stores first: the load given up, 48 tokens served."""
+    groups = LAYOUTS["full"]
+    loading = token_prompt(96, seed=1)
+    store = _stored(runners, tmp_path, groups, [loading])
+    r, pinned = _served_after_restart(runners, store, groups, loading, free=3)
+    storing = token_prompt(200, seed=2)
+    writer = r.add(storing, 40)
+    reader = r.add(loading, 1)
+    _finish(r, writer, reader)
+    assert r.load_errors == []
+    data = r.stats.data
+    assert r.loaded_tokens[reader.request_id] == 96
+    assert data["pieced_loads"] == 1 and data["pieced_loads_given_up"] == 0, data
+    assert data["stores_cut"] >= 1, data
+    r.connector.scheduler.hierarchy.complete_store(pinned, success=False)
+    assert_host_tier_released(r)
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-rank1-corrupt"])
 def test_a_corrupt_chunk_in_a_later_piece_fails_the_load(runners, tmp_path: Path, tp: int) -> None:
     """Chunk 4 of 6 is corrupt (with two ranks, only rank 1's record) and two host slots are
