@@ -16,6 +16,7 @@ state it reads and writes.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ from kvstrata.connector.request_state import Job, PieceLoad, RequestState
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
 from kvstrata.tiers.manager import TierManager
+
+logger = logging.getLogger(__name__)
 
 
 class PieceLoadsMixin:
@@ -108,7 +111,22 @@ class PieceLoadsMixin:
         elif now - pieces.waiting_since >= self.host_room_wait_s:
             st.no_pieces = True
             self.stats.pieced_loads_given_up += 1
+            self._log_given_up(st, pieces, now - pieces.waiting_since)
             self._fail_pieces(st)
+
+    def _log_given_up(self, st: RequestState, pieces: PieceLoad, waited: float) -> None:
+        """Say what held the host tier: a sign ``host_bytes`` is small for the loads (a warning:
+        vLLM's logging shows no INFO of other packages)."""
+        h = self.hierarchy.stats()
+        host = h.get("host", {})
+        logger.warning(
+            "kvstrata: request %s: %d chunks left to load waited %.1f s for host room with no "
+            "load in flight; computing them (a larger host_bytes would fit such loads). Host "
+            "slots %s, referenced %s: held for waiting requests %s, stores in flight %s, "
+            "promotions %s, write-behind %s bytes in flight and %s deferred",
+            st.req.request_id, len(pieces.transfers), waited, host.get("slots"), host.get("referenced"),
+            h.get("chunks_held"), h.get("stores_inflight"), h.get("promotions_inflight"),
+            h.get("write_inflight_bytes"), h.get("write_deferred_bytes"))
 
     def _start_piece(self, st: RequestState, transfers: list[semantics.ChunkTransfer],
                      copies: list[ChunkCopy] | None = None) -> None:
