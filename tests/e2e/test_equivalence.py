@@ -191,19 +191,22 @@ def test_cpu_engines_load_in_the_step_that_computes(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "in_pieces"), [("llama", False), ("gemma3", True)])
+@pytest.mark.parametrize(("case", "in_pieces"), [("llama", None), ("gemma3", True)])
 def test_a_tight_host_tier_serves_from_disk(scenarios: Callable[[str], Scenario], case: str,
-                                            in_pieces: bool) -> None:
+                                            in_pieces: bool | None) -> None:
     step = scenarios(case).step("eq_tight_host")
     assert metric(step, "kvstrata_hit_tokens_disk") > 0, dump(step["metrics"])
     # The round's requests arrive together: their lookups wait for host-tier room to promote
     # what the disk holds (host_room_wait_s), and what they are then served equals the
     # recomputation (the round's verdict, test_served_equals_recomputed). The 1 MiB host tier
     # holds 4 chunks here: Gemma 3's longest hits (a window group's chunks beside the full
-    # one's) need more at once, so they are loaded through it in pieces; Llama's all fit.
+    # one's) need more at once, so they are loaded through it in pieces; Llama's fit unless
+    # stores hold the room when they come (stores are cut to the room since stop 63, so they
+    # take it more often: either happens, with the timing).
     assert metric(step, "kvstrata_promotion_room_waits") > 0, dump(step["metrics"])
-    assert (metric(step, "kvstrata_pieced_loads") > 0) is in_pieces, dump(step["metrics"])
-    assert (metric(step, "kvstrata_load_pieces") > 0) is in_pieces, dump(step["metrics"])
+    if in_pieces is not None:
+        assert (metric(step, "kvstrata_pieced_loads") > 0) is in_pieces, dump(step["metrics"])
+        assert (metric(step, "kvstrata_load_pieces") > 0) is in_pieces, dump(step["metrics"])
     # Loads fail here only where a piece waited host_room_wait_s for room with none moving
     # (given up and computed; the round's verdict covers what was served).
     assert (metric(step, "kvstrata_load_failures")
