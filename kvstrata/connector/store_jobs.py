@@ -170,7 +170,7 @@ class StoreJobsMixin:
                 # (a long prefill's offer could otherwise be refused at every step while the
                 # write-behind holds room, and never reach the disk).
                 candidates, next_stored = semantics.plan_store_within(
-                    self.layout, self.hierarchy.host_room(), offloadable=offloadable, **plan)
+                    self.layout, self.hierarchy.store_room(), offloadable=offloadable, **plan)
                 reserved = self._reserve(candidates, count_failure=False) if candidates else None
                 if reserved is None:
                     self.stats.allocation_failures += 1

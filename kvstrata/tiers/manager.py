@@ -30,6 +30,10 @@ class TierManager(Protocol):
         """Host slots a promotion could take now."""
         ...
 
+    def store_room(self) -> int:
+        """Host slots a store could take now (fewer: it never evicts a chunk the disk has not got)."""
+        ...
+
     def promote_queued(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None,
                        queued: set[bytes]) -> list[Presence]:
         """Start the promotions a lookup queued for want of host room, as far as room goes

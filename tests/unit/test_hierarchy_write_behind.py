@@ -25,6 +25,7 @@ from hierarchy_helpers import (
 
 from kvstrata.tiers.disk import DiskStore
 from kvstrata.tiers.hierarchy.shared import Pipeline
+from kvstrata.tiers.hierarchy.write_behind import WRITES_STALL_S
 
 # ---- write-behind: admission, backpressure, drain ----------------------------------------------
 
@@ -107,6 +108,58 @@ def test_backpressure_postpones_when_disk_lags_and_resumes_without_holding_slots
     h.close(flush_unwritten=False)
 
 
+def test_a_store_never_evicts_what_the_disk_has_not_got_while_it_writes(env):
+    """A store that finds only chunks postponed for the disk (the write-behind's pin budget
+    full) is refused rather than evict them: its request offers it again in a later step,
+    while an evicted chunk would be lost, and with it every later chunk of its prefix. Once
+    the disk caught up, the store fits, evicting what the disk holds."""
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    gated.writes_open.clear()
+    h = env.hier(gated, slots=6, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES)
+    keys = [key(i) for i in range(4)]
+    store(h, keys)  # keys[0] in flight, the rest postponed
+    assert h.host_room() == 5 and h.store_room() == 2
+    later = [key(10 + i) for i in range(4)]
+    assert h.prepare_store(later) is None  # two free slots, not four
+    assert h.stats()["store_no_room"] == 1
+    store(h, later[:2])  # what the free slots hold
+    assert h.store_room() == 0 and h.prepare_store(later[2:3]) is None
+    gated.writes_open.set()
+    eventually(lambda: all(on_disk(disk, k) for k in keys + later[:2]), "the postponed writes")
+    eventually(lambda: h.store_room() == 6, "the written chunks idle")
+    store(h, later[2:])
+    st = h.stats()
+    assert st["writes_lost"] == 0 and st["writes_resumed"] == 5  # keys[1:] and later[:2]
+    h.close()
+
+
+def test_a_promotion_evicts_chunks_the_disk_has_not_got_last(env):
+    """A promotion (a request waits for it) may evict a chunk postponed for the disk, but only
+    once every other idle chunk went, however recently those were used."""
+    disk = env.disk()
+    gated = GatedDisk(disk)
+    h = env.hier(gated, slots=6, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES)
+    on_disk_only = [key(100 + i) for i in range(3)]
+    clean = [key(i) for i in range(2)]
+    store(h, on_disk_only + clean)
+    eventually(lambda: h.stats()["writes_completed"] == 5, "the writes")
+    assert h.reset() and all(on_disk(disk, k) for k in on_disk_only + clean)
+    h.lookup_many(clean)
+    eventually(lambda: h.lookup_many(clean) == [HIT, HIT], "promoted: in the host tier, and on disk")
+    gated.writes_open.clear()
+    unwritten = [key(10 + i) for i in range(4)]
+    store(h, unwritten)  # unwritten[0] in flight, the rest postponed
+    assert h.lookup_many(clean) == [HIT, HIT]  # used most recently
+    assert h.lookup_many(on_disk_only) == [PENDING] * 3  # three slots: both clean ones, one postponed
+    assert not any(k in h.pool for k in clean)
+    assert [k in h.pool for k in unwritten] == [True, False, True, True]
+    assert h.stats()["writes_lost"] == 1
+    eventually(lambda: h.lookup_many(on_disk_only) == [HIT] * 3, "the promotions")
+    gated.writes_open.set()
+    h.close()
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_write_threads_write_that_many_chunks_at_once(env, threads: int):
     """``write_threads`` per tier (``write_threads: auto`` gives an accelerator engine up to
@@ -166,9 +219,12 @@ def test_a_clean_shutdown_writes_the_dropped_chunks_the_host_tier_still_holds(en
     disk = env.disk()
     gated = GatedDisk(disk)
     gated.writes_open.clear()
-    h = env.hier(gated, slots=6, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES)
+    now = [0.0]
+    h = env.hier(gated, slots=6, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES,
+                 clock=lambda: now[0])
     keys = [key(i) for i in range(4)]
     store(h, keys)  # keys[0] is in flight (the disk hangs), the rest postponed
+    now[0] += WRITES_STALL_S + 1  # the disk's writes stalled: stores may evict postponed chunks
     later = [key(10 + i) for i in range(4)]
     store(h, later)  # postponed too; 8 chunks in 6 slots evict keys[1] and keys[2]
     assert keys[1] not in h.pool and keys[2] not in h.pool and keys[3] in h.pool
@@ -234,12 +290,14 @@ def test_backpressure_defers_within_half_the_host_tier_and_close_drains_everythi
     disk = env.disk()
     gated = GatedDisk(disk)
     gated.writes_open.clear()
+    now = [0.0]
     h = env.hier(
         gated,
         slots=8,
         write_backpressure="defer",
         max_write_inflight_bytes=CHUNK_BYTES,
         max_deferred_bytes=8 * CHUNK_BYTES,
+        clock=lambda: now[0],
     )
     keys = [key(i) for i in range(6)]
     store(h, keys)
@@ -247,7 +305,13 @@ def test_backpressure_defers_within_half_the_host_tier_and_close_drains_everythi
     # One in flight and three deferred pin half the 8 slots (the pin budget); the rest wait
     # without a slot reference.
     assert (st["writes_started"], st["writes_deferred"], st["writes_dropped"]) == (1, 3, 2)
-    # So four new chunks fit: they evict the two postponed ones, whose writes are lost.
+    # While the disk's writes go on, a store evicts neither: two new chunks fit, not four.
+    assert h.store_room() == 2
+    assert h.prepare_store([key(100 + i) for i in range(4)]) is None
+    # Once they stalled (a hung disk), four new chunks fit: they evict the two postponed
+    # ones, whose writes are lost.
+    now[0] += WRITES_STALL_S + 1
+    assert h.store_room() == 4
     new = store(h, [key(100 + i) for i in range(4)])
     assert len(new) == 4
     assert all(k in h.pool for k in keys[:4]) and not any(k in h.pool for k in keys[4:])
@@ -264,22 +328,31 @@ def test_backpressure_defers_within_half_the_host_tier_and_close_drains_everythi
     assert h.stats()["writes_dropped"] == 6 and h.stats()["writes_flushed"] == 4
 
 
-def test_a_lagging_disk_never_keeps_a_store_out_of_the_host_tier(env):
+def test_a_hung_disk_keeps_stores_out_of_the_host_tier_only_until_its_writes_stalled(env):
     # Serving under load (issue 31): idle-priority writes on a busy engine lagged, their slot
     # references held every host slot (128 MiB in flight by default, 512 MiB deferred: more
     # than the host tier), and stores were refused, thousands of times a run. The write-behind
-    # now pins at most half the host tier; the rest of its backlog waits without a slot.
+    # pins at most half the host tier; the rest of its backlog waits without a slot, and a
+    # store evicts none of it while the disk writes. A disk that hangs (no write completes for
+    # WRITES_STALL_S) holds nothing: stores evict what it never got, as without a disk.
     disk = env.disk()
     gated = GatedDisk(disk)
     gated.writes_open.clear()
-    h = env.hier(gated, slots=8)  # the defaults: in flight and deferral far above 8 slots
+    now = [0.0]
+    h = env.hier(gated, slots=8, clock=lambda: now[0])  # the defaults: in flight and deferral far above 8 slots
+    refused = 0
     for r in range(5):
         slots = h.prepare_store([key(10 * r + i) for i in range(4)])
+        if slots is None:
+            refused += 1
+            now[0] += WRITES_STALL_S + 1  # the disk still hangs
+            slots = h.prepare_store([key(10 * r + i) for i in range(4)])
         assert slots is not None, f"round {r}: the host tier refused a store"
         for k, slot in slots.items():
             fill(h.slab, slot, k)
         h.complete_store(list(slots))
-    assert h.stats()["store_no_room"] == 0
+    # Round 2 found the 8 slots pinned (4) or postponed (4) while the disk had just started.
+    assert refused == 1 and h.stats()["store_no_room"] == 1
     gated.writes_open.set()
     h.close(flush_unwritten=False)
 
@@ -393,9 +466,12 @@ def test_lookups_of_chunks_lost_before_their_write_count_as_read_back(env):
     disk = env.disk()
     gated = GatedDisk(disk)
     gated.writes_open.clear()
-    h = env.hier(gated, slots=6, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES)
+    now = [0.0]
+    h = env.hier(gated, slots=6, write_backpressure="drop", max_write_inflight_bytes=CHUNK_BYTES,
+                 clock=lambda: now[0])
     keys = [key(i) for i in range(4)]
     store(h, keys)  # keys[0] in flight (the disk hangs), the rest postponed
+    now[0] += WRITES_STALL_S + 1  # stalled: a store may evict what the disk never got
     store(h, [key(10 + i) for i in range(4)])  # 8 chunks in 6 slots: keys[1], keys[2] lost
     assert h.stats()["writes_lost"] == 2
     assert h.stats()["tiers"]["disk"]["write_reuse"] == 0.0

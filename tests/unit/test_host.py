@@ -212,6 +212,35 @@ def test_protected_keys_are_not_evicted(policy):
     assert a in pool and b not in pool
 
 
+def test_spare_keys_are_evicted_only_where_the_others_are_too_few(policy):
+    """Chunks the disk has not got yet (``spare``) go after every other idle chunk, whatever
+    the policy's order (here they are the least recently used), and among themselves in it."""
+    evicted: list[bytes] = []
+    pool = HostPool(num_slots=5, policy=policy, on_evict=evicted.extend)
+    spare = [_key(0), _key(1), _key(2)]
+    clean = [_key(3), _key(4)]
+    _fill(pool, spare + clean)
+    assert pool.allocate([_key(10)], spare=set(spare)) is not None
+    assert evicted == [clean[0]]
+    assert pool.allocate([_key(11), _key(12)], spare=set(spare)) is not None
+    assert evicted == [clean[0], clean[1], spare[0]]
+    # Protected beats spare: none is evicted then, and too few is no allocation at all.
+    assert pool.allocate([_key(13)], protected=set(spare), spare=set(spare)) is None
+    assert pool.allocate([_key(13), _key(14), _key(15)], spare=set(spare)) is None
+    assert len(evicted) == 3
+
+
+def test_room_without_kept_chunks(policy):
+    pool = HostPool(num_slots=4, policy=policy)
+    _fill(pool, [_key(0), _key(1)])
+    pool.allocate([_key(2)])  # referenced: not room anyway
+    assert pool.room == 3
+    assert pool.room_without([_key(0)]) == 2
+    assert pool.room_without([_key(0), _key(2), _key(9)]) == 2  # a referenced or absent key changes nothing
+    assert pool.allocate([_key(3), _key(4)], protected={_key(0)}) is not None
+    assert pool.room_without([_key(0)]) == 0
+
+
 def test_lru_order_follows_touches():
     evicted: list[bytes] = []
     pool = HostPool(num_slots=3, policy="lru", on_evict=evicted.extend)

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Container, MutableMapping, Sequence
 from typing import Any, Literal
 
 from kvstrata.presence import Presence
@@ -47,7 +47,7 @@ from kvstrata.tiers.hierarchy.shared import (
 )
 from kvstrata.tiers.hierarchy.write_behind import WriteBehind
 from kvstrata.tiers.host import HostPool
-from kvstrata.tiers.lower import LowerTier
+from kvstrata.tiers.lower import LowerTier, ScannableTier
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class Hierarchy:
             link.reuse = ReuseMeter(write_reuse_half_life_bytes or max(1, 2 * s.slab.nbytes))
             link.slab_reads = use_processes(link.tier, "read", s.slab, read_processes)
             link.slab_writes = use_processes(link.tier, "write", s.slab, write_processes, idle=idle_writes)
+            link.keep_postponed = isinstance(link.tier, ScannableTier)
         self.pool = host_pool
         self.slab = s.slab
         self.namespaces = s.namespaces
@@ -210,6 +211,12 @@ class Hierarchy:
         """Host slots a promotion could take now (free, or holding a chunk nothing pins)."""
         with self._s.lock:
             return self.pool.room
+
+    def store_room(self) -> int:
+        """Host slots a store could take now: ``host_room`` less the chunks whose write to the
+        disk is postponed (a store does not evict them, ``write_behind``)."""
+        with self._s.lock:
+            return self.pool.room_without(self._writes.kept_from_stores())
 
     def promote_queued(self, keys: Sequence[bytes], promoting: MutableMapping[bytes, str] | None,
                        queued: set[bytes]) -> list[Presence]:
@@ -333,7 +340,7 @@ class Hierarchy:
             if s.closed:
                 return None
             new = list(dict.fromkeys(k for k in keys if k not in self.pool))
-            slots = self.pool.allocate(new, set(keys)) if new else []
+            slots = self.pool.allocate(new, _Either(set(keys), self._writes.kept_from_stores())) if new else []
             if slots is None:
                 s.counts["store_no_room"] += 1
                 return None
@@ -502,3 +509,14 @@ class Hierarchy:
             self._writes.forget(link, list(records))
             self._s.journal.add_removed_records(link.name, records)
 
+
+class _Either:
+    """Keys in either of two containers (``HostPool.allocate``'s ``protected``)."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a: Container[bytes], b: Container[bytes]) -> None:
+        self._a, self._b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._a or key in self._b

@@ -226,7 +226,7 @@ class Lookup:
                     protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
                     if protect:
                         protected |= protect
-                slots = self.s.pool.allocate((key,), protected)
+                slots = self.s.pool.allocate((key,), protected, self.writes.kept_from_stores())
                 if slots is None:
                     # The host tier is full of pinned chunks: answer MISS rather than PENDING
                     # so that the request does not wait on a promotion that never starts, unless
@@ -278,7 +278,7 @@ class Lookup:
         protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
         if protect:
             protected |= protect
-        slots = pool.allocate(absent, protected)
+        slots = pool.allocate(absent, protected, self.writes.kept_from_stores())
         return {} if slots is None else dict(zip(absent, slots, strict=True))
 
     def _note_read_back(self, keys: Sequence[bytes], source: dict[int, TierLink], asked: list[int]) -> None:

@@ -79,6 +79,17 @@ class TierLink:
     # the tier's budget has room again (``WriteBehind``), unless the host tier evicts them
     # first (counted lost). They hold no slot, so a slow tier still never holds host memory.
     postponed: dict[bytes, None] = field(default_factory=dict)
+    # Whether a store may evict a chunk whose write to this tier is postponed: not for a local
+    # store (its writes always go on, so its postponed chunks are written soon), where such a
+    # loss would leave a hole in a prefix whose later chunks the tier holds (unservable past
+    # it), while a refused store is offered again as its request runs on
+    # (``WriteBehind.kept_from_stores``). A remote tier's postponed chunks stay evictable: a
+    # server that stops answering must not hold the host tier; nor do a local tier's once its
+    # writes stalled (``progress_at``).
+    keep_postponed: bool = False
+    # When a write to this tier last completed, or started with none in flight (the clock of
+    # ``Shared``): writes in flight with no progress for WRITES_STALL_S mean the tier hangs.
+    progress_at: float = 0.0
     # Those of them whose write failed: written again once a write to this tier succeeds (the
     # server is back, the disk has room), as far as the write budget allows; a chunk whose
     # writes failed more than MAX_WRITE_RETRIES times waits for the shutdown (or, with an
@@ -255,6 +266,7 @@ class Shared:
         # Chunks pinned for requests whose lookup waits (``Hierarchy.hold``): key -> pins.
         self.held: dict[bytes, int] = {}
         self.bad = FailedPromotions(retry_failed_after_s, clock)
+        self.clock = clock  # monotonic seconds (tests drive it)
         self.journal = Journal(events, shards=len(self.namespaces))
         # Offers of each chunk (stores, host hits), for the tiers' admission thresholds.
         self.offers: OrderedDict[bytes, int] = OrderedDict()

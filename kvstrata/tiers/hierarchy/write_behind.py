@@ -11,9 +11,16 @@ the chunks still in the host tier whose write was dropped or failed before it dr
 
 The host tier is never held back by its own write-behind: writes in flight and deferred pin at
 most ``max_pinned_bytes`` of host slots (half the host tier by default; each tier an even share
-of it), so a store always finds slots to evict. Beyond that (or beyond a "drop" tier's write
-budget) writes are postponed without a slot reference: the oldest postponed chunk still in the host tier is written
-whenever the budget has room again, and one the host tier evicts first is counted lost. Where
+of it). Beyond that (or beyond a "drop" tier's write budget) writes are postponed without a
+slot reference: the oldest postponed chunk still in the host tier is written whenever the
+budget has room again, and one the host tier evicts first is counted lost. A promotion evicts
+a chunk postponed for a local tier only when no other idle chunk is left, and a store never
+does (``kept_from_stores``): it is refused instead, and its request offers the chunks again
+in a later step, while the postponed chunk, evicted, would be lost for good (and with it every
+later chunk of its prefix, docs/BENCHMARKS.md "Stores no longer evict what the disk has not
+got"). Unless the tier's writes stalled (none completed for ``WRITES_STALL_S`` while some are
+in flight: a hung device): then the host tier goes on caching what is stored, as without a
+disk. Where
 the write threads run at idle priority, the write-behind uses the tier's normal-priority threads
 (``urgent_pool``) while it is behind (postponed chunks waiting, or half its pin budget used):
 idle threads alone get no CPU on an engine that keeps every core busy, and the host tier then
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvstrata.tiers.hierarchy.shared import (
     MAX_WRITE_RETRIES,
@@ -49,6 +56,34 @@ logger = logging.getLogger(__name__)
 
 # (link, chunk key, host slot, group, bytes)
 Write = tuple[TierLink, bytes, int, int, int]
+
+# Writes in flight with none completing for this long: the tier hangs, and the chunks postponed
+# for it are evictable by stores again. A chunk's write takes milliseconds, a catching-up
+# backlog on a busy CPU well under a second (docs/BENCHMARKS.md, "Catching up without waiting
+# for reuse").
+WRITES_STALL_S = 2.0
+
+
+class PostponedChunks:
+    """The host chunks whose write to one of ``links`` is postponed, as a container that
+    follows the links (read under the hierarchy's lock)."""
+
+    __slots__ = ("_links",)
+
+    def __init__(self, links: Sequence[TierLink]) -> None:
+        self._links = list(links)
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in link.postponed for link in self._links)
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Each such chunk once."""
+        if len(self._links) == 1:
+            return iter(self._links[0].postponed)
+        return iter(dict.fromkeys(k for link in self._links for k in link.postponed))
+
+    def __bool__(self) -> bool:
+        return any(link.postponed for link in self._links)
 
 
 class WriteBehind:
@@ -64,6 +99,17 @@ class WriteBehind:
         self.pipe = pipeline
         self.max_deferred = max_deferred_bytes
         self.max_pinned = max_pinned_bytes
+        self._keeping = [link for link in shared.links if link.keep_postponed]
+        self._none = PostponedChunks(())
+
+    def kept_from_stores(self) -> PostponedChunks:
+        """The chunks a store must not evict and a promotion evicts last (module docstring):
+        those postponed for a local tier whose writes go on. Under the lock."""
+        if not self._keeping:
+            return self._none
+        now = self.s.clock()
+        return PostponedChunks([link for link in self._keeping if link.postponed and not (
+            link.inflight_bytes and now - link.progress_at > WRITES_STALL_S)])
 
     def link_budget(self) -> int:
         """Host bytes one tier's writes may pin: the budget shared evenly, so a tier that stops
@@ -130,6 +176,8 @@ class WriteBehind:
         link.unwritten.discard(key)
         link.postponed.pop(key, None)
         link.failed.discard(key)
+        if not link.inflight_bytes:
+            link.progress_at = self.s.clock()
         link.inflight_bytes += size
         self.s.counts["writes_started"] += 1
         return link, key, slot, chunk_group(key), size
@@ -231,6 +279,7 @@ class WriteBehind:
         s = self.s
         with s.lock:
             link.inflight_bytes -= size
+            link.progress_at = s.clock()
             link.queued.discard(key)
             removed = key in link.removed_while_queued
             link.removed_while_queued.discard(key)

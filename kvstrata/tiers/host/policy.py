@@ -2,14 +2,15 @@
 
 ``LRU`` (least recently used first) and ``ARC`` (Adaptive Replacement Cache) keep the pool's
 entries (key -> ``Entry``: slot, reference count, readiness) in their own order and name victims
-among the evictable ones (``evictable``: ready and unreferenced). ``HostPool`` owns the slots and
-counts; a policy only orders keys.
+among the evictable ones (``evictable``: ready and unreferenced), never a ``protected`` one and
+``spare`` ones only where the others do not make up the number (in the policy's order among
+themselves). ``HostPool`` owns the slots and counts; a policy only orders keys.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Set
+from collections.abc import Callable, Container, Iterator
 
 
 class Entry:
@@ -43,16 +44,22 @@ class LRU:
     def remove(self, key: bytes) -> Entry | None:
         return self.entries.pop(key, None)
 
-    def victims(self, n: int, protected: Set[bytes]) -> list[bytes] | None:
+    def victims(self, n: int, protected: Container[bytes], spare: Container[bytes] = ()) -> list[bytes] | None:
         out: list[bytes] = []
         if n <= 0:
             return out
+        later: list[bytes] = []
         for key, entry in self.entries.items():
             if evictable(entry) and key not in protected:
+                if key in spare:
+                    if len(later) < n:
+                        later.append(key)
+                    continue
                 out.append(key)
                 if len(out) == n:
                     return out
-        return None
+        out += later[: n - len(out)]
+        return out if len(out) == n else None
 
     def clear(self) -> None:
         self.entries.clear()
@@ -104,22 +111,35 @@ class ARC:
         entry = self.t1.pop(key, None)
         return entry if entry is not None else self.t2.pop(key, None)
 
-    def victims(self, n: int, protected: Set[bytes]) -> list[bytes] | None:
+    def victims(self, n: int, protected: Container[bytes], spare: Container[bytes] = ()) -> list[bytes] | None:
         out: list[bytes] = []
         if n <= 0:
             return out
-        t1 = ((k, e) for k, e in self.t1.items() if evictable(e) and k not in protected)
-        t2 = ((k, e) for k, e in self.t2.items() if evictable(e) and k not in protected)
+        later: list[bytes] = []
+
+        def candidates(entries: OrderedDict[bytes, Entry]) -> Iterator[bytes]:
+            for k, e in entries.items():
+                if evictable(e) and k not in protected:
+                    if k not in spare:
+                        yield k
+                    elif len(later) < n:
+                        later.append(k)
+
+        t1, t2 = candidates(self.t1), candidates(self.t2)
         t1_size = len(self.t1)
         for _ in range(n):
             first, second = (t1, t2) if t1_size >= max(1, int(self.p)) else (t2, t1)
             picked = next(first, None) or next(second, None)
             if picked is None:
-                return None
-            if picked[0] in self.t1:
+                break
+            if picked in self.t1:
                 t1_size -= 1
-            out.append(picked[0])
-        return out
+            out.append(picked)
+        if len(out) < n:
+            # Exhausted both lists: ``later`` holds the spare ones of both, T1's first.
+            later.sort(key=lambda k: k not in self.t1)
+            out += later[: n - len(out)]
+        return out if len(out) == n else None
 
     def evicted(self, key: bytes, from_t1: bool) -> None:
         ghosts = self.b1 if from_t1 else self.b2

@@ -10,7 +10,7 @@ The pool is not thread-safe on its own; ``Hierarchy`` serialises access with its
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Container, Iterable, Sequence
 from itertools import compress
 from operator import attrgetter
 from typing import TYPE_CHECKING, Literal
@@ -115,6 +115,12 @@ class HostPool:
         """Slots an allocation could take now: free, or holding a chunk nothing references."""
         return self.num_slots - self._referenced
 
+    def room_without(self, kept: Iterable[bytes]) -> int:
+        """``room`` less the slots of the ``kept`` chunks (distinct keys) that an allocation
+        could otherwise evict: the room of one that must not evict them."""
+        get = self._policy.get
+        return self.room - sum(1 for key in kept if (e := get(key)) is not None and evictable(e))
+
     def keys(self) -> list[bytes]:
         return [key for key, _ in self._policy]
 
@@ -126,9 +132,11 @@ class HostPool:
             self._policy.touch(key)
 
     def allocate(
-        self, keys: Sequence[bytes], protected: Set[bytes] = frozenset()
+        self, keys: Sequence[bytes], protected: Container[bytes] = frozenset(),
+        spare: Container[bytes] = frozenset(),
     ) -> list[int] | None:
-        """Slots for absent ``keys``, all or none; evicts idle chunks not in ``protected``.
+        """Slots for absent ``keys``, all or none; evicts idle chunks not in ``protected``,
+        those in ``spare`` only where the others are too few.
 
         The new entries are not ready and hold one reference each (the writer's).
         """
@@ -139,7 +147,7 @@ class HostPool:
             raise ValueError("duplicate keys in one allocation")
         need = len(keys) - len(self._free)
         if need > 0:
-            victims = self._policy.victims(need, protected)
+            victims = self._policy.victims(need, protected, spare)
             if victims is None:
                 return None
             self._evict(victims)
