@@ -65,6 +65,7 @@ class LookupMixin:
         def _new_job(self, st: RequestState, *, is_store: bool, keys: list[bytes]) -> int: ...
         def _start_piece(self, st: RequestState, transfers: list[semantics.ChunkTransfer],
                          copies: list[ChunkCopy] | None = None) -> None: ...
+        def _room_for_pieces(self) -> int: ...
 
     # ------------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(
@@ -97,13 +98,17 @@ class LookupMixin:
         # too, loaded in pieces as room frees (connector/pieces.py), unless this lookup waits
         # for room instead (host_room_wait_s).
         queued: set[bytes] | None = set() if self.stream_loads and not st.no_pieces else None
+        # Loads in pieces began before this request was looked up: the room they wait for is
+        # theirs first (a new request's chunks wait, or are queued behind them).
+        reserve = self._room_for_pieces() if self._pieced else 0
 
         def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
             keys = list(keys)
             # Promotions launch at the end of the step's scheduling (``build_connector_meta``).
             answers = list(self.hierarchy.lookup_many(
                 keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered,
-                offered=st.offered, defer_promotions=True, wait_for_room=wait_for_room, queued=queued))
+                offered=st.offered, defer_promotions=True, wait_for_room=wait_for_room, queued=queued,
+                reserve=reserve))
             # With C-level iteration: a long prompt's probe is hundreds of keys, every step.
             answered.update(compress(keys, map(is_, answers, repeat(Presence.HIT))))
             found.extend(compress(keys, map(is_not, answers, repeat(Presence.MISS))))

@@ -94,6 +94,17 @@ class PieceLoadsMixin:
             else:
                 self._wait_for_room(st, pieces, timed=not moving)
 
+    def _room_for_pieces(self) -> int:
+        """Host slots the loads in pieces still need: other requests' lookups leave them (the
+        lookups run first in a step, and would otherwise take every slot these loads free, so
+        that the loads wait, each holding vLLM's blocks, until they are given up)."""
+        need = 0
+        for req_id in self._pieced:
+            st = self._reqs.get(req_id)
+            if st is not None and st.pieces is not None:
+                need += len(st.pieces.transfers)
+        return need
+
     def _wait_for_room(self, st: RequestState, pieces: PieceLoad, timed: bool) -> None:
         """The next piece found no room. A load in flight gives its slots back when it ends
         (not ``timed``); otherwise room comes back only as stores, writes behind and waiting

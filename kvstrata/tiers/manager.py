@@ -21,7 +21,7 @@ class TierManager(Protocol):
                     stream: bool = False, prefix: bool = False,
                     protect: set[bytes] | None = None, offered: set[bytes] | None = None,
                     defer_promotions: bool = False, wait_for_room: bool = False,
-                    queued: set[bytes] | None = None) -> list[Presence]:
+                    queued: set[bytes] | None = None, reserve: int = 0) -> list[Presence]:
         """HIT / PENDING / MISS per chunk key; chunks only in a lower tier start their
         promotion (see ``Hierarchy.lookup_many``)."""
         ...

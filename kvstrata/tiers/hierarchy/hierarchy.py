@@ -172,6 +172,7 @@ class Hierarchy:
         defer_promotions: bool = False,
         wait_for_room: bool = False,
         queued: set[bytes] | None = None,
+        reserve: int = 0,
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
@@ -199,13 +200,16 @@ class Hierarchy:
         answers HIT instead of MISS and is added to ``queued`` (and to ``promoting``): the
         request's load brings it in a later piece, through :meth:`promote_queued`, once the
         host tier has room again (a hit larger than the host tier is loaded through it in
-        pieces rather than computed).
+        pieces rather than computed). ``reserve``: host slots this lookup's promotions must
+        leave free (or evictable) for others, the loads in pieces that wait for room: without
+        it, the lookups of new requests, which run first in each step, take every slot those
+        loads free, and the loads wait until they are given up.
         """
         if queued is not None and not stream:
             raise ValueError("queued promotions are loaded by streamed loads only")
         return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
                                    prefix=prefix, protect=protect, offered=offered, defer=defer_promotions,
-                                   wait_for_room=wait_for_room, queued=queued)
+                                   wait_for_room=wait_for_room, queued=queued, reserve=reserve)
 
     def host_room(self) -> int:
         """Host slots a promotion could take now (free, or holding a chunk nothing pins)."""

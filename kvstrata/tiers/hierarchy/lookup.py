@@ -62,6 +62,7 @@ class Lookup:
         defer: bool = False,
         wait_for_room: bool = False,
         queued: set[bytes] | None = None,
+        reserve: int = 0,
     ) -> list[Presence]:
         # Kept to C-level iteration and list comprehensions over the keys: this runs on the
         # scheduler's critical path, for hundreds of keys every step a long prompt waits.
@@ -122,7 +123,7 @@ class Lookup:
         source = self.find(keys, candidates, prefix)
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
                                 ([i for i in candidates if fresh[i]] if any_fresh else [])
-                                if count_offers else None, defer, wait_for_room, queued)
+                                if count_offers else None, defer, wait_for_room, queued, reserve)
         return states
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
@@ -172,14 +173,17 @@ class Lookup:
     def _start_promotions(self, keys: Sequence[bytes], states: list[Presence], source: dict[int, TierLink],
                           streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
                           protect: set[bytes] | None, asked: list[int] | None, defer: bool = False,
-                          wait_for_room: bool = False, queued: set[bytes] | None = None) -> None:
+                          wait_for_room: bool = False, queued: set[bytes] | None = None,
+                          reserve: int = 0) -> None:
         """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
         the tiers' reuse evidence (None: a promotion that is no request's). ``defer``: the
         reads are held until ``Promoter.launch_deferred``. ``wait_for_room``: a chunk the host
         tier has no room for answers PENDING (ask again later) instead of MISS, when this
         lookup's promotions could all fit in the host tier once its holders let go. ``queued``
         (streamed loads only): otherwise such a chunk answers HIT and is added there, to be
-        promoted and loaded once room frees (``Hierarchy.lookup_many``)."""
+        promoted and loaded once room frees (``Hierarchy.lookup_many``). ``reserve``: host
+        slots these promotions leave to others (loads in pieces waiting for room): a chunk that
+        would take one of them has no room."""
         s = self.s
         items = []
         with s.lock:
@@ -190,7 +194,7 @@ class Lookup:
             order = sorted(source)
             # Waiting is worth it only where the promotions could all fit in the tier at all.
             wait_for_room = wait_for_room and len(order) <= s.pool.num_slots
-            slots_of = self._allocate_all(keys, order, states, protect) if room else {}
+            slots_of = self._allocate_all(keys, order, states, protect, reserve) if room else {}
             if slots_of:  # every absent chunk got its slot at once (the usual case): one pass
                 answer = _HIT if stream else _PENDING
                 rest = []  # those in the host tier already (a store meanwhile, a duplicate key)
@@ -226,7 +230,8 @@ class Lookup:
                     protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
                     if protect:
                         protected |= protect
-                slots = self.s.pool.allocate((key,), protected, self.writes.kept_from_stores())
+                slots = (self.s.pool.allocate((key,), protected, self.writes.kept_from_stores())
+                         if s.pool.room > reserve else None)
                 if slots is None:
                     # The host tier is full of pinned chunks: answer MISS rather than PENDING
                     # so that the request does not wait on a promotion that never starts, unless
@@ -266,14 +271,14 @@ class Lookup:
         return 0
 
     def _allocate_all(self, keys: Sequence[bytes], order: list[int], states: list[Presence],
-                      protect: set[bytes] | None) -> dict[bytes, int]:
+                      protect: set[bytes] | None, reserve: int = 0) -> dict[bytes, int]:
         """Host slots for every chunk of ``order`` not in the host tier, in one allocation (one
         pass over the eviction order instead of one per chunk); {} when they do not all fit,
         and the caller then allocates chunk by chunk, as far as room goes. Under the lock."""
         pool = self.s.pool
         wanted = list(dict.fromkeys(keys[i] for i in order))
         absent = [k for k, st in zip(wanted, pool.lookup_many(wanted, touch=False), strict=True) if st == _ABSENT]
-        if not absent:
+        if not absent or pool.room - len(absent) < reserve:
             return {}
         protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
         if protect:

@@ -139,6 +139,43 @@ def test_room_freed_goes_to_a_load_in_pieces_before_a_store(runners, tmp_path: P
     assert_host_tier_released(r)
 
 
+def test_a_new_request_s_lookup_leaves_a_load_in_pieces_its_room(runners, tmp_path: Path, monkeypatch) -> None:
+    """Three host slots free: one restarted request's six chunks load in pieces; a second
+    request for six other chunks on disk arrives meanwhile. Its lookup runs before the load's
+    next piece in each step, and would promote into the slots each piece gives back and hold
+    them while it waits for room for the rest (``host_room_wait_s``), leaving the load waiting
+    with nothing in flight: with many such lookups the loads were given up (26 of 36 in the
+    tight-host-tier equivalence round on Gemma 3). The room those loads still need is theirs
+    first: the second request's chunks are promoted only once the first load has all of its
+    own, and both are served whole, none given up. Watched failing without it: three of the
+    second request's chunks promoted before the first load's last piece."""
+    groups = LAYOUTS["full"]
+    prompts = [token_prompt(96, seed=1), token_prompt(96, seed=2)]
+    store = _stored(runners, tmp_path, groups, prompts)
+    r, pinned = _served_after_restart(runners, store, groups, prompts[0], free=3, host_room_wait_s=0.5)
+    slow_disk_reads(monkeypatch, 0.03)
+    first = r.add(prompts[0], 1)
+    steps = 0
+    while first.request_id not in r.connector.scheduler._pieced:  # its lookup waits for room
+        r.step()  # first (host_room_wait_s), then its load begins in pieces
+        steps += 1
+        assert steps < 100_000 and not first.is_finished(), "the load never began in pieces"
+    second = r.add(prompts[1], 1)
+    hierarchy = r.connector.scheduler.hierarchy
+    while first.request_id in r.connector.scheduler._pieced:
+        r.step()
+        assert not first.is_finished()
+    # Its last piece is out: every promotion so far was its own (six chunks).
+    assert hierarchy.stats()["promotions_started"] == 6
+    _finish(r, first, second)
+    assert r.load_errors == []
+    assert [r.loaded_tokens.get(q.request_id) for q in (first, second)] == [96, 96]
+    data = r.stats.data
+    assert data["pieced_loads_given_up"] == 0 and data["load_failures"] == 0, data
+    r.connector.scheduler.hierarchy.complete_store(pinned, success=False)
+    assert_host_tier_released(r)
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-rank1-corrupt"])
 def test_a_corrupt_chunk_in_a_later_piece_fails_the_load(runners, tmp_path: Path, tp: int) -> None:
     """Chunk 4 of 6 is corrupt (with two ranks, only rank 1's record) and two host slots are
