@@ -73,6 +73,11 @@ class Restart:
     extra: dict[str, Any] = field(default_factory=dict)
     host_bytes: int = HOST_BYTES
     steps: tuple[dict[str, Any], ...] = ()
+    # A store of the round's own (``Scenario.store_of``) rather than the scenario's: written by an
+    # engine of the first stage with this round's options (the long prompts, then the first
+    # equivalence prompts, each step compared with the recomputation too); the restarted engine
+    # serves the long prompts from it before the round.
+    own_store: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,12 @@ def _llama_with_eagle(out: Path, seed: int) -> Path:
 # from disk again, requests waiting for room to promote them (the smallest host tier kvstrata
 # accepts; host_room_wait_s).
 TIGHT_HOST = Restart("tight_host", host_bytes=1 << 20)
+# Stores into a host tier too small for them: a long prompt's prefill offers more chunks in a
+# step than the 1 MiB host tier's 4 slots, so the offer is cut to the room
+# (semantics.plan_store_within) and the rest is offered as the request decodes. The round's own
+# store holds only what those cut stores wrote; a restarted engine (same tight host tier) serves
+# it.
+CUT_STORES = Restart("cut_stores", host_bytes=1 << 20, own_store=True)
 # Warm start after a restart: the chunks used last are promoted in the background while the
 # engine is idle; the round starts once they landed (waited for, not slept through), so it is
 # served from the host tier.
@@ -165,7 +176,7 @@ QWEN3_NEXT_ENGINE = {"max_num_batched_tokens": 384, "max_num_seqs": 1, "block_si
 CASES: dict[str, ModelCase] = {
     "llama": ModelCase("llama", lambda d, s: models.make_tiny_llama(d, seed=s), engine=FP32,
                        serves_prompt_tails=True,
-                       restarts=(TIGHT_HOST, WARM_START, ASYNC_LOADS, READ_PROCESSES)),
+                       restarts=(TIGHT_HOST, CUT_STORES, WARM_START, ASYNC_LOADS, READ_PROCESSES)),
     # Under vLLM's default kv_load_failure_policy ("fail") kvstrata does not stream: every chunk
     # is read and verified before a hit is answered, so the corrupt record is a plain miss.
     # Chunks of two blocks, and decoded tokens stored too (multi-turn follow-ups reuse them).
@@ -181,7 +192,7 @@ CASES: dict[str, ModelCase] = {
                                    engine={**FP32, "block_size": 32}, serves_prompt_tails=True,
                                    block=32, auto_blocks_per_chunk=2, extra={"write_processes": 2}),
     "gemma3": ModelCase("gemma3", lambda d, s: models.make_tiny_gemma3(d, seed=s), engine=FP32,
-                        serves_prompt_tails=True, window=64, restarts=(TIGHT_HOST,)),
+                        serves_prompt_tails=True, window=64, restarts=(TIGHT_HOST, CUT_STORES)),
     # GDN blocks are storable only when prefill chunks end on the 384-token block. One sequence
     # per step: CPU GDN runs only in bf16, where a request's numerics depend on what else is in
     # its batch; a reloaded request batched differently from its cold run then flips greedy
@@ -262,7 +273,8 @@ class Scenario:
     """One model through the whole story, each stage run once, in order, when first needed.
 
     1. ``first``: cold, ``reset_prefix_cache()``, the same prompts again (host tier); then the
-       equivalence prompts likewise (``equivalence.prompt_rounds``);
+       equivalence prompts likewise (``equivalence.prompt_rounds``); and, for a restart with a
+       store of its own, an engine writing that store;
     2. ``restart``: a new process on the same store (disk tier), the equivalence prompts and
        their follow-ups again; then each of the case's ``restarts`` (one more engine each);
     3. ``corrupted``: one record's payload bytes flipped in ``data.mdb``, then a new process;
@@ -282,6 +294,9 @@ class Scenario:
         self.reference_opts = case.options(self.model_dir, None)
         self.eq = prompt_rounds(case.boundaries, case.vocab, seeds())
         self._done: dict[str, Any] = {}
+        # Per restart with a store of its own: the chunks of each long prompt (PROMPTS) in its
+        # most complete group that the first stage's engine wrote there.
+        self.written: dict[str, list[int]] = {}
 
     @property
     def rounds(self) -> list[str]:
@@ -298,6 +313,16 @@ class Scenario:
     def _eq_step(self, name: str, prompts: list[list[int]]) -> dict[str, Any]:
         return generate_step(f"eq_{name}", prompts, EQ_MAX_TOKENS)
 
+    def store_of(self, restart: Restart) -> Path:
+        return self.root / f"store-{restart.name}" if restart.own_store else self.store
+
+    def _restart_options(self, restart: Restart) -> EngineOptions:
+        return self.case.options(self.model_dir, self.store_of(restart), extra_config=restart.extra,
+                                 host_bytes=restart.host_bytes)
+
+    def _own_store(self, name: str) -> bool:
+        return any(r.own_store and r.name == name for r in self.case.restarts)
+
     @_stage
     def first(self) -> dict[str, dict[str, Any]]:
         eq = self.eq
@@ -308,8 +333,16 @@ class Scenario:
             generate_step("cold"), {"op": "reset_prefix_cache"}, generate_step("host"),
             self._eq_step("cold", eq.first), {"op": "reset_prefix_cache"},
             self._eq_step("host", eq.second)]}
-        return _merged(run_jobs_subprocess([reference, served], timeout_s=JOB_TIMEOUT_S,
-                                           log_path=self._log("first")))
+        own = [r for r in self.case.restarts if r.own_store]
+        stores = [{"engine": asdict(self._restart_options(r)), "steps": [
+            generate_step(f"{r.name}_writing"), self._eq_step(f"{r.name}_writing", eq.first)]}
+            for r in own]
+        steps = _merged(run_jobs_subprocess([reference, served, *stores], timeout_s=JOB_TIMEOUT_S,
+                                            log_path=self._log("first")))
+        model = self.case.model_path(self.model_dir)
+        for r in own:  # before a restarted engine computes (and stores) what they did not
+            self.written[r.name] = [len(records_of_prompt(self.store_of(r), model, p)) for p in PROMPTS]
+        return steps
 
     @property
     def follow_ups(self) -> list[tuple[list[int], int]]:
@@ -320,7 +353,7 @@ class Scenario:
         """The prompts of equivalence step ``eq_<name>`` (``<round>_follow_ups``: the follow-ups,
         after the round's own step and a prefix-cache reset, so that vLLM's device cache holds
         none of their first turns)."""
-        if name == "cold":
+        if name == "cold" or name.endswith("_writing"):
             return self.eq.first
         if name.endswith("_follow_ups"):
             return [p for p, _ in self.follow_ups]
@@ -337,9 +370,9 @@ class Scenario:
             reference_step("ref_follow_ups", [p for p, _ in self.follow_ups], EQ_MAX_TOKENS)]}
         served = {"engine": asdict(self.opts), "steps": [
             DROP_PAGE_CACHE, generate_step("disk"), *self._restart_steps("disk")]}
-        more = [{"engine": asdict(self.case.options(self.model_dir, self.store, extra_config=r.extra,
-                                                    host_bytes=r.host_bytes)),
-                 "steps": [DROP_PAGE_CACHE, *r.steps, *self._restart_steps(r.name)]}
+        more = [{"engine": asdict(self._restart_options(r)),
+                 "steps": [DROP_PAGE_CACHE, *r.steps, *([generate_step(r.name)] if r.own_store else []),
+                           *self._restart_steps(r.name)]}
                 for r in self.case.restarts]
         return _merged(run_jobs_subprocess([reference, served, *more], timeout_s=JOB_TIMEOUT_S,
                                            log_path=self._log("restart")))
@@ -362,8 +395,11 @@ class Scenario:
         there is one) and its equivalence step."""
         refs = self.references
         out: list[Verdict] = []
-        if name in ("cold", "host", "disk", "after_corruption"):
+        if name in ("cold", "host", "disk", "after_corruption") or self._own_store(name):
             out += compare_step(refs, self.step(name), PROMPTS)
+        if self._own_store(name):  # the steps that wrote its store
+            out += compare_step(refs, self.step(f"{name}_writing"), PROMPTS)
+            out += compare_step(refs, self.step(f"eq_{name}_writing"), self.round_prompts(f"{name}_writing"))
         if name != "after_corruption":
             out += compare_step(refs, self.step(f"eq_{name}"), self.round_prompts(name))
         if name not in ("cold", "host", "after_corruption"):

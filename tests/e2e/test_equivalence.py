@@ -2,7 +2,8 @@
 
 For each model (``e2e_harness.CASES``) and each round its scenario serves — ``host`` after
 ``reset_prefix_cache()``, ``disk`` after a real restart with the page cache dropped, a host tier
-too small for the round (``tight_host``), a warm start, and after a corrupted record — every
+too small for the round (``tight_host``), a store written through a host tier too small for its
+stores (``cut_stores``), a warm start, and after a corrupted record — every
 completion is compared with the same engine recomputing its prompt alone (``equivalence``). The
 feature tests then check that each serving feature really was exercised in those rounds: a
 feature that silently stopped serving would otherwise pass the comparison vacuously. "Served"
@@ -56,7 +57,7 @@ def test_served_equals_recomputed(scenarios: Callable[[str], Scenario], case: st
         # The tier each round serves from: after a restart nothing is in the host tier until
         # kvstrata brings it up from disk, so those rounds' hits were promoted from disk.
         tiers = {t for v in verdicts for t in v.served_by_tier}
-        if round_name in ("disk", "tight_host", "read_processes"):
+        if round_name in ("disk", "tight_host", "cut_stores", "read_processes"):
             assert "disk" in tiers, summary(verdicts)
         if round_name == "host":
             assert tiers == {"host"}, summary(verdicts)
@@ -212,6 +213,28 @@ def test_a_tight_host_tier_serves_from_disk(scenarios: Callable[[str], Scenario]
     assert (metric(step, "kvstrata_load_failures")
             == metric(step, "kvstrata_pieced_loads_given_up")), dump(step["metrics"])
     assert metric(step, "kvstrata_host_bytes") <= 1 << 20, dump(step["metrics"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_stores_cut_to_the_host_tiers_room_are_served_after_a_restart(
+        scenarios: Callable[[str], Scenario], case: str) -> None:
+    """The round ``cut_stores`` (e2e_harness.CUT_STORES): its store was written through a 1 MiB
+    host tier (4 slots), the long prompts' offers cut to its room, and a restarted engine is
+    served from what those cut stores wrote. What was served, and what was computed while the
+    stores were cut, equals the recomputation (test_served_equals_recomputed)."""
+    sc = scenarios(case)
+    writing = [sc.step("cut_stores_writing"), sc.step("eq_cut_stores_writing")]
+    assert sum(metric(s, "kvstrata_stores_cut") for s in writing) > 0, dump(writing[0]["metrics"])
+    assert sum(metric(s, "kvstrata_store_failures") for s in writing) == 0, dump(writing[0]["metrics"])
+    # The first prompt's first cut filled the 4 slots; later offers, as the requests decoded,
+    # stored more once the write-behind gave slots back (how much more depends on how fast it
+    # did). How many of each long prompt's chunks the store holds:
+    written = sc.written["cut_stores"]
+    assert written[0] >= 4 and sum(written) > 4, written
+    served = sc.step("cut_stores")
+    assert metric(served, "kvstrata_hit_tokens_disk") > 0, dump(served["metrics"])
+    assert sum(served_tokens(out) for out in served["outputs"]) > 0, written
 
 
 @pytest.mark.slow
