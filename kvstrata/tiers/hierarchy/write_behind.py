@@ -82,9 +82,6 @@ class PostponedChunks:
             return iter(self._links[0].postponed)
         return iter(dict.fromkeys(k for link in self._links for k in link.postponed))
 
-    def __bool__(self) -> bool:
-        return any(link.postponed for link in self._links)
-
 
 class WriteBehind:
     def __init__(
