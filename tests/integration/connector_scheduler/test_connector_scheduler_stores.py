@@ -5,7 +5,10 @@ of the offer the room holds is stored now and the rest in later steps (semantics
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from connector_scheduler_helpers import token_prompt
@@ -21,6 +24,27 @@ def _three_slots_free(r: Runner) -> list[bytes]:
     pinned = [os.urandom(28) + bytes(4) for _ in range(r.connector.scheduler.plan.num_slots - 3)]
     assert r.connector.scheduler.hierarchy.prepare_store(pinned) is not None
     return pinned
+
+
+@contextmanager
+def _disk_writes_held(r: Runner) -> Iterator[None]:
+    """The disk tier's writes wait until the block ends (the real LMDB store behind a gate), so
+    the chunks a store wrote keep their host slots: what a later offer finds free does not
+    depend on how fast the write-behind's thread ran."""
+    disk = r.connector.scheduler.hierarchy.tiers[0]
+    gate = threading.Event()
+    for name in ("put_many_then", "put_many_from_slab_then"):
+        write = getattr(disk, name)
+
+        def held(*args, write=write, **kw):
+            gate.wait(60)
+            return write(*args, **kw)
+
+        setattr(disk, name, held)
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 def _wait_for_room(r: Runner, pinned: list[bytes]) -> None:
@@ -63,14 +87,17 @@ def test_a_prefill_larger_than_the_host_tier_s_room_is_stored_in_starts(runners,
 
 def test_a_request_that_finished_with_its_prompt_stores_the_start_the_room_holds(runners) -> None:
     """A one-token answer: the request finishes in the step that computes its prompt, so its
-    one offer is all it gets. Three slots free: the first three chunks are stored, and served.
-    Watched failing with whole offers only: 0 served."""
+    one offer is all it gets (under async scheduling vLLM sees the finish a step later and offers
+    again: the disk's writes are held, so that offer finds the three slots still full rather
+    than freed by however many writes the write-behind's thread finished). Three slots free: the
+    first three chunks are stored, and served. Watched failing with whole offers only: 0 served."""
     r = runners(LAYOUTS["full"])
     pinned = _three_slots_free(r)
     prompt = token_prompt(200)
-    r.serve(prompt, 1)
-    r.connector.scheduler.hierarchy.complete_store(pinned, success=False)
-    r.drop_gpu_prefix_cache()
-    assert r.serve(prompt, 1) == 48
+    with _disk_writes_held(r):
+        r.serve(prompt, 1)
+        r.connector.scheduler.hierarchy.complete_store(pinned, success=False)
+        r.drop_gpu_prefix_cache()
+        assert r.serve(prompt, 1) == 48
     assert r.stats.data["stores_cut"] == 1
     assert r.load_errors == [], r.load_errors
