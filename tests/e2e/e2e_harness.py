@@ -294,9 +294,10 @@ class Scenario:
         self.reference_opts = case.options(self.model_dir, None)
         self.eq = prompt_rounds(case.boundaries, case.vocab, seeds())
         self._done: dict[str, Any] = {}
-        # Per restart with a store of its own: the chunks of each long prompt (PROMPTS) in its
-        # most complete group that the first stage's engine wrote there.
-        self.written: dict[str, list[int]] = {}
+        # Per restart with a store of its own: where each chunk ends (its last block's index) of
+        # each long prompt (PROMPTS) in its most complete group that the first stage's engine
+        # wrote there.
+        self.written: dict[str, list[list[int]]] = {}
 
     @property
     def rounds(self) -> list[str]:
@@ -341,7 +342,7 @@ class Scenario:
                                             log_path=self._log("first")))
         model = self.case.model_path(self.model_dir)
         for r in own:  # before a restarted engine computes (and stores) what they did not
-            self.written[r.name] = [len(records_of_prompt(self.store_of(r), model, p)) for p in PROMPTS]
+            self.written[r.name] = [stored_blocks_of_prompt(self.store_of(r), model, p) for p in PROMPTS]
         return steps
 
     @property
@@ -470,7 +471,17 @@ def chain_hashes(tokens: list[int], block: int) -> list[bytes]:
 
 
 def records_of_prompt(store: Path, model: str, prompt: list[int]) -> list[bytes]:
-    """Store keys of ``prompt``'s chunks in its most complete group, in prefix order.
+    """Store keys of ``prompt``'s chunks in its most complete group, in prefix order."""
+    return [key for _, key in _stored_chunks(store, model, prompt)]
+
+
+def stored_blocks_of_prompt(store: Path, model: str, prompt: list[int]) -> list[int]:
+    """Where each of those chunks ends: the index of its last block in ``prompt``, in order."""
+    return [block for block, _ in _stored_chunks(store, model, prompt)]
+
+
+def _stored_chunks(store: Path, model: str, prompt: list[int]) -> list[tuple[int, bytes]]:
+    """(last block index, store key) of ``prompt``'s chunks in its most complete group.
 
     The hash granularity is found by trying the block sizes vLLM can use; a chunk key is the
     block hash ending the chunk followed by the 4-byte group index.
@@ -478,18 +489,17 @@ def records_of_prompt(store: Path, model: str, prompt: list[int]) -> list[bytes]
     spaces = namespaces_of(store, model)
     assert spaces, f"no namespace registered for {model}"
     stored = store_keys(store, spaces)
-    best: list[bytes] = []
+    best: list[tuple[int, bytes]] = []
     for block in (16, 32, 64, 128, 256, 384, 512):
-        hashes = chain_hashes(prompt, block)
-        by_group: dict[bytes, list[bytes]] = {}
+        order = {h: i for i, h in enumerate(chain_hashes(prompt, block))}
+        by_group: dict[bytes, list[tuple[int, bytes]]] = {}
         for key in stored:
             suffix = key[NAMESPACE_BYTES:]
-            if suffix[:-4] in hashes:
-                by_group.setdefault(suffix[-4:], []).append(key)
-        for keys in by_group.values():
-            if len(keys) > len(best):
-                order = {h: i for i, h in enumerate(hashes)}
-                best = sorted(keys, key=lambda k: order[k[NAMESPACE_BYTES:-4]])
+            if suffix[:-4] in order:
+                by_group.setdefault(suffix[-4:], []).append((order[suffix[:-4]], key))
+        for chunks in by_group.values():
+            if len(chunks) > len(best):
+                best = sorted(chunks)
     return best
 
 
