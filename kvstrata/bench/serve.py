@@ -282,6 +282,13 @@ def _stores_clean(stores: list[Path]) -> bool | None:
         return False
 
 
+def run_orders(names: list[str], repeat: int) -> list[list[str]]:
+    """The configurations' order in each of ``repeat`` runs: every other run reversed, so that
+    where a configuration runs in the sequence (what the one before left on the machine) weighs
+    on each alike."""
+    return [list(names) if rep % 2 == 0 else names[::-1] for rep in range(repeat)]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = parse_configs(args.configs)
     sweep = parse_sweep(args.sweep)
@@ -307,10 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[str, list[tuple[dict[str, Any], list[Any]]]] = {n: [] for n in names}
         repeats: list[dict[str, Any]] = []
         t0 = time.monotonic()
-        for rep in range(args.repeat):
-            # Every other run in reverse order, so that where a configuration runs in the
-            # sequence (what the one before left on the machine) weighs on each alike.
-            order = names if rep % 2 == 0 else names[::-1]
+        for rep, order in enumerate(run_orders(names, args.repeat)):
             figs: dict[str, dict[str, Any]] = {}
             for name in order:
                 fig, results = run_config(name, base, wl, out if args.repeat == 1 else out / f"run_{rep + 1}",

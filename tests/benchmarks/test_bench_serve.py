@@ -182,6 +182,9 @@ def test_repeated_runs_pool_every_request_and_spread_each_ratio() -> None:
     second[0]["computed_tokens"] = None  # one run without vLLM's counters: no sum
     assert report.pooled([first, second])["computed_tokens"] is None
     assert report.pooled([({"skipped": "x"}, [])]) == {"skipped": "x"}
+    assert serve.run_orders(["vllm", "lmcache", "kvstrata"], 3) == [
+        ["vllm", "lmcache", "kvstrata"], ["kvstrata", "lmcache", "vllm"], ["vllm", "lmcache", "kvstrata"]]
+    assert serve.run_orders(["kvstrata"], 1) == [["kvstrata"]]
     spread = report.spread([{"ttft_mean_vs_vllm": 0.3, "ttft_p99_vs_native_best": 0.9},
                             {"ttft_mean_vs_vllm": 0.2, "ttft_p99_vs_native_best": None},
                             {"ttft_mean_vs_vllm": 0.25}])
@@ -356,14 +359,16 @@ def test_kvstrata_config_may_size_kvstrata_s_host_tier_alone(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
-    # Two users, one round, vLLM alone and kvstrata (the ratios against vLLM's offloading and
-    # LMCache are computed by the same code, test_figures_and_ratios; vLLM's fs offloading on CPU
-    # runs in tests/benchmarks/test_vllm_fs_baseline.py): two servers keep the suite's time.
+    # Two users, one round, vLLM alone and kvstrata, one run (the ratios against vLLM's
+    # offloading and LMCache are computed by the same code, test_figures_and_ratios; repeated
+    # runs' order, pooling and spread in test_repeated_runs_pool_every_request_and_spread_each_
+    # ratio; vLLM's fs offloading on CPU runs in tests/benchmarks/test_vllm_fs_baseline.py): two
+    # servers keep the suite's time.
     out = tmp_path / "bench"
     argv = ["bench", "serve", "--json", "--tiny", "--no-progress", "--out", str(out),
             "--users", "2", "--rounds", "1", "--context-min", "200", "--context-max", "300",
             "--system-tokens", "64", "--max-tokens", "4", "--max-model-len", "1024",
-            "--arrival-rate", "5", "--configs", "vllm,kvstrata", "--repeat", "2",
+            "--arrival-rate", "5", "--configs", "vllm,kvstrata",
             "--host-bytes", "16MiB", "--kvstrata-config", '{"zstd_level": 3}']
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
@@ -371,56 +376,45 @@ def test_serve_bench_runs_end_to_end_on_a_tiny_model(tmp_path, capsys) -> None:
         assert key in result, key
     assert result["errors"] == 0, result
     assert Path(result["chart"]).read_bytes()[:4] == b"\x89PNG"
-    # Two runs, the second in reverse order; each run's figures as a single run reports them.
-    assert result["repeat"] == 2 and [r["order"] for r in result["runs"]] == [
-        ["vllm", "kvstrata"], ["kvstrata", "vllm"]]
-    for run in result["runs"]:
-        assert isinstance(run["ttft_mean_vs_vllm"], float), run
-        for name in ("vllm", "kvstrata"):
-            fig = run["configs"][name]
-            for key in PER_CONFIG:
-                assert key in fig, (name, key)
-            assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
-            assert fig["tracebacks"] == 0, fig["log_problems"]
-            assert fig["cpu_s"][0]["total"] > 0 and len(fig["requests_detail"]) == 2, fig
-            # Two users share the system prompt: the second could reuse it, nothing else.
-            reusable = sorted(r["reusable_tokens"] for r in fig["requests_detail"])
-            assert reusable[0] == 0 and 64 <= reusable[1] < 300, reusable
-            assert fig["floor_tokens"] == fig["prompt_tokens"] - reusable[1], fig
-            assert fig["floor_tokens"] <= fig["computed_tokens"] <= fig["prompt_tokens"], fig
-            # Each response said how many of its prompt tokens the server did not compute (at
-            # least one it always computes); vLLM's counters count a preempted request's hits
-            # again when it is admitted again, never less.
-            cached = [(r["cached_tokens"], r["prompt_tokens"]) for r in fig["requests_detail"]]
-            assert all(isinstance(c, int) and 0 <= c < n for c, n in cached), cached
-            assert sum(c for c, _ in cached) <= fig["prompt_tokens"] - fig["computed_tokens"], (cached, fig)
-            assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
-            # The engine's steps computed what vLLM's counters say it computed, and decoded
-            # every answer token but the first of each request (which its last prefill makes).
-            eng = fig["engine_steps"]
-            assert eng["context_tokens"] == fig["computed_tokens"], (eng, fig)
-            assert eng["generation_tokens"] == fig["output_tokens"] - fig["requests"], (eng, fig)
-            assert eng["prefill_steps"] >= 1 and 1 <= eng["max_running"] <= 2, eng
-            assert eng["decode_only_steps"] == 0 or eng["decode_step_ms"] > 0, eng
-        assert run["configs"]["kvstrata"]["stores_clean_shutdown"] is True
-    # Each configuration's stores are deleted once checked (no --keep-stores); the logs stay.
-    for i, run in enumerate(("run_1", "run_2")):
-        assert not (out / run / "work" / "kvstrata").exists() and (out / run / "logs").is_dir()
-        assert result["runs"][i]["configs"]["kvstrata"]["disk_free_start_bytes"] > 0
-    ttft = result["ratio_spread"]["ttft_mean_vs_vllm"]
-    assert ttft["min"] <= ttft["median"] <= ttft["max"], ttft
-    # The top-level figures pool both runs' requests.
+    assert isinstance(result["ttft_mean_vs_vllm"], float), result
+    assert "runs" not in result and "repeat" not in result
     for name in ("vllm", "kvstrata"):
         fig = result["configs"][name]
-        assert fig["runs"] == 2 and fig["requests"] == 4 and len(fig["ttft_samples_s"]) == 4, fig
-        assert fig["tracebacks"] == 0 and fig["clean_stop"] is True, fig
+        for key in PER_CONFIG:
+            assert key in fig, (name, key)
+        assert fig["requests"] == 2 and fig["ttft_mean_s"] is not None, fig
+        assert len(fig["ttft_samples_s"]) == 2, fig
+        assert fig["tracebacks"] == 0, fig["log_problems"]
+        assert fig["clean_stop"] is True, fig
+        assert fig["cpu_s"][0]["total"] > 0 and len(fig["requests_detail"]) == 2, fig
+        # Two users share the system prompt: the second could reuse it, nothing else.
+        reusable = sorted(r["reusable_tokens"] for r in fig["requests_detail"])
+        assert reusable[0] == 0 and 64 <= reusable[1] < 300, reusable
+        assert fig["floor_tokens"] == fig["prompt_tokens"] - reusable[1], fig
+        assert fig["floor_tokens"] <= fig["computed_tokens"] <= fig["prompt_tokens"], fig
+        # Each response said how many of its prompt tokens the server did not compute (at
+        # least one it always computes); vLLM's counters count a preempted request's hits
+        # again when it is admitted again, never less.
+        cached = [(r["cached_tokens"], r["prompt_tokens"]) for r in fig["requests_detail"]]
+        assert all(isinstance(c, int) and 0 <= c < n for c, n in cached), cached
+        assert sum(c for c, _ in cached) <= fig["prompt_tokens"] - fig["computed_tokens"], (cached, fig)
+        assert set(fig["phase_mean_s"]) == {"queue", "prefill", "decode"}, fig
+        # The engine's steps computed what vLLM's counters say it computed, and decoded
+        # every answer token but the first of each request (which its last prefill makes).
+        eng = fig["engine_steps"]
+        assert eng["context_tokens"] == fig["computed_tokens"], (eng, fig)
+        assert eng["generation_tokens"] == fig["output_tokens"] - fig["requests"], (eng, fig)
+        assert eng["prefill_steps"] >= 1 and 1 <= eng["max_running"] <= 2, eng
+        assert eng["decode_only_steps"] == 0 or eng["decode_step_ms"] > 0, eng
+    # Each configuration's stores are deleted once checked (no --keep-stores); the logs stay.
+    assert not (out / "work" / "kvstrata").exists() and (out / "logs").is_dir()
+    assert result["configs"]["kvstrata"]["disk_free_start_bytes"] > 0
     ours = result["configs"]["kvstrata"]
     assert ours["stores_clean_shutdown"] is True
     assert "kvstrata_disk" in ours["hit_tokens"]
     # kvstrata's own figures, and the options --kvstrata-config added reached its server.
     assert ours["kvstrata"]["store_jobs"] >= 2 and "allocation_failures" in ours["kvstrata"]
-    for run in ("run_1", "run_2"):
-        assert "'zstd_level': 3" in (out / run / "logs" / "kvstrata_0.log").read_text()
+    assert "'zstd_level': 3" in (out / "logs" / "kvstrata_0.log").read_text()
     for key in ("ttft_mean_vs_vllm", "throughput_vs_vllm"):
         assert isinstance(result[key], float), key
     assert json.loads((out / "serve.json").read_text())["configs"].keys() == result["configs"].keys()
