@@ -86,11 +86,13 @@ def test_a_prefill_larger_than_the_host_tier_s_room_is_stored_in_starts(runners,
 
 
 def test_a_request_that_finished_with_its_prompt_stores_the_start_the_room_holds(runners) -> None:
-    """A one-token answer: the request finishes in the step that computes its prompt, so its
-    one offer is all it gets (under async scheduling vLLM sees the finish a step later and offers
-    again: the disk's writes are held, so that offer finds the three slots still full rather
-    than freed by however many writes the write-behind's thread finished). Three slots free: the
-    first three chunks are stored, and served. Watched failing with whole offers only: 0 served."""
+    """A one-token answer: the request finishes in the step that computes its prompt, so the
+    offers it gets are that step's and its finished request's in the next (under async
+    scheduling, a step later still). Three slots free: the first offer stores the first three
+    chunks, and they are served. The disk's writes are held meanwhile, so the later offer finds
+    the three slots still full rather than freed by however many writes the write-behind's
+    thread finished (with a pause between steps it stored three more: 96 served, in every
+    variant). Watched failing with whole offers only: 0 served."""
     r = runners(LAYOUTS["full"])
     pinned = _three_slots_free(r)
     prompt = token_prompt(200)
