@@ -91,8 +91,8 @@ def test_a_request_that_finished_with_its_prompt_stores_the_start_the_room_holds
     scheduling, a step later still). Three slots free: the first offer stores the first three
     chunks, and they are served. The disk's writes are held meanwhile, so the later offer finds
     the three slots still full rather than freed by however many writes the write-behind's
-    thread finished (with a pause between steps it stored three more: 96 served, in every
-    variant). Watched failing with whole offers only: 0 served."""
+    thread finished (with a pause between steps and the writes free, it stored three more: 96
+    served under both schedulers). Watched failing with whole offers only: 0 served."""
     r = runners(LAYOUTS["full"])
     pinned = _three_slots_free(r)
     prompt = token_prompt(200)
