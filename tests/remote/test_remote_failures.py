@@ -247,7 +247,7 @@ class Setup:
         serving engine keeps storing: so does this wait, a fresh chunk every half second."""
         ks = keys(first, 3)
         put(self.h, ks)
-        fresh = iter(keys(first + len(ks), 40))
+        fresh = iter(keys(first + len(ks), 60))  # more than DEADLINE_S allows at two a second
         last = time.monotonic()
 
         def on_it() -> bool:
