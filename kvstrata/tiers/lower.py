@@ -60,6 +60,16 @@ class LowerTier(Protocol):
 
 
 @runtime_checkable
+class ReconnectingTier(LowerTier, Protocol):
+    """A lower tier that can be unavailable for a while and says when it answers again (a shared
+    server: its breaker, ``kvstrata.tiers.remote.breaker``)."""
+
+    #: Told when the tier answers again after it was unavailable; called on the tier's own
+    #: thread and must not wait on the tier.
+    on_available: Callable[[], None] | None
+
+
+@runtime_checkable
 class ScannableTier(LowerTier, Protocol):
     """A lower tier that can list what it holds (a local store: warm start, disk announcement)."""
 

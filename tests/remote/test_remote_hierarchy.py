@@ -271,7 +271,9 @@ def test_host_hits_on_chunks_the_server_holds_touch_them(engines, plain: redis.R
 def test_writes_the_server_cannot_take_are_dropped_and_hold_no_slot(engines, redis_server: RedisServer,
                                                                      plain: redis.Redis) -> None:
     """The shared tier's backpressure is "drop": with one write in flight (to a hung server),
-    further writes are dropped and counted at once, and their host slots are free to evict."""
+    further writes are dropped and counted at once, and their host slots are free to evict:
+    evicted, they are lost, while the chunk whose write failed in the outage, still held, is
+    written once the server answers again."""
     a = engines("a", disk=False, slots=8, max_write_inflight_bytes=1,
                 remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=2.0))
     keys = [key(i) for i in range(5)]
@@ -292,8 +294,11 @@ def test_writes_the_server_cannot_take_are_dropped_and_hold_no_slot(engines, red
     finally:
         redis_server.resume()
     eventually(lambda: a.remote.available, "the breaker to close after the resume", 10)
-    assert a.h.stats()["write_inflight_bytes"] == 0
-    assert plain.dbsize() == 0  # dropped, not deferred: those chunks never reach the server
+    eventually(lambda: on_server(plain, a.ns, keys[0]), "the failed write, started again")
+    eventually(lambda: a.h.stats()["write_inflight_bytes"] == 0, "the retried write's report")
+    # Dropped, not deferred: the host tier evicted them meanwhile, so they never reach the server.
+    assert not any(on_server(plain, a.ns, k) for k in keys[1:])
+    assert a.h.stats()["writes_lost"] == 4 and plain.dbsize() == len(a.ns)
     a.put([key(10)])
     eventually(lambda: on_server(plain, a.ns, key(10)), "a new chunk on the server")
 
@@ -330,12 +335,11 @@ def test_a_write_is_reported_when_the_server_takes_it_while_its_write_thread_is_
         release.set()
 
 
-def _writes_failed_while_hung(engines, redis_server: RedisServer, plain: redis.Redis,
-                              slots: int) -> tuple[Engine, list[bytes]]:
+def _writes_failed_while_hung(engines, redis_server: RedisServer) -> tuple[Engine, list[bytes]]:
     """An engine (host + server) that stored four chunks while the server hung: their writes
-    failed and the breaker opened; the server is back and answering, and holds none of them
-    (nothing is sent again before a write succeeds)."""
-    a = engines("a", disk=False, slots=slots,
+    failed and the breaker opened; the server is answering again (the probe has not necessarily
+    found it yet)."""
+    a = engines("a", disk=False, slots=16,
                 remote_opts=dict(connect_timeout_s=0.2, timeout_s=0.25, write_timeout_s=0.25))
     keys = [key(i) for i in range(4)]
     redis_server.pause()
@@ -345,17 +349,48 @@ def _writes_failed_while_hung(engines, redis_server: RedisServer, plain: redis.R
         assert not a.remote.available
     finally:
         redis_server.resume()
-    eventually(lambda: a.remote.available, "the probe to find the server", 10)
+    return a, keys
+
+
+def test_writes_that_failed_while_the_server_hung_are_written_when_it_answers_again(
+        engines, redis_server: RedisServer, plain: redis.Redis) -> None:
+    """After an outage the shared tier heals by itself: once the probe finds the server again,
+    the writes that failed meanwhile start again, though the engine stores nothing new (an idle
+    replica would otherwise keep them unwritten until it shut down)."""
+    a, keys = _writes_failed_while_hung(engines, redis_server)
+    eventually(lambda: all(on_server(plain, a.ns, k) for k in keys), "the writes retried", 10)
+    # A value is on the server a moment before its write counts as completed.
+    eventually(lambda: a.tier("remote")["writes_completed"] == 4, "the retried writes to complete")
+    rs = a.tier("remote")
+    assert (rs["writes_retried"], rs["writes_completed"], rs["writes_failed"]) == (4, 4, 4)
+    assert plain.dbsize() == 4 * len(a.ns)
+    assert a.h.close() and a.h.stats()["writes_flushed"] == 0  # nothing left for the shutdown
+
+
+def _writes_refused(engines, plain: redis.Redis, slots: int) -> tuple[Engine, list[bytes]]:
+    """An engine (host + server) that stored four chunks while the server refused every write
+    (full, under ``noeviction``): their writes failed while the server stayed available, so no
+    probe starts them again. The server takes writes again, and holds none of them."""
+    a = engines("a", disk=False, slots=slots)
+    keys = [key(i) for i in range(4)]
+    before = {name: plain.config_get(name)[name] for name in ("maxmemory", "maxmemory-policy")}
+    plain.config_set("maxmemory-policy", "noeviction")
+    plain.config_set("maxmemory", 1)  # below what the server uses already
+    try:
+        a.put(keys)
+        eventually(lambda: a.tier("remote")["writes_failed"] == 4, "the refused writes")
+        assert a.remote.available and a.remote.stats()["errors"] >= 1
+    finally:
+        plain.config_set("maxmemory", before["maxmemory"])
+        plain.config_set("maxmemory-policy", before["maxmemory-policy"])
     assert plain.dbsize() == 0
     return a, keys
 
 
-def test_writes_that_failed_while_the_server_hung_are_written_at_a_clean_shutdown(
-        engines, redis_server: RedisServer, plain: redis.Redis) -> None:
-    """A hung server fails the writes of what an engine stores meanwhile (by their timeout, or
-    at once once the breaker is open). Those the host tier still holds when the engine shuts
-    down cleanly, the server back, reach the server then: the next engine finds them."""
-    a, keys = _writes_failed_while_hung(engines, redis_server, plain, slots=8)
+def test_writes_the_server_refused_are_written_at_a_clean_shutdown(engines, plain: redis.Redis) -> None:
+    """Writes a server refused that the host tier still holds when the engine shuts down cleanly
+    (the server taking writes again) reach the server then: the next engine finds them."""
+    a, keys = _writes_refused(engines, plain, slots=8)
     assert a.h.close()
     st = a.h.stats()
     assert (st["writes_failed"], st["writes_flushed"], st["writes_completed"]) == (4, 4, 4)
@@ -366,14 +401,12 @@ def test_writes_that_failed_while_the_server_hung_are_written_at_a_clean_shutdow
     b.check_bytes(keys)
 
 
-def test_writes_that_failed_while_the_server_hung_follow_the_first_write_it_takes(
-        engines, redis_server: RedisServer, plain: redis.Redis) -> None:
-    """After an outage the shared tier heals without a restart: once the server answers again,
-    the first write that succeeds starts again the writes that failed meanwhile."""
-    a, keys = _writes_failed_while_hung(engines, redis_server, plain, slots=16)
+def test_writes_the_server_refused_follow_the_first_write_it_takes(engines, plain: redis.Redis) -> None:
+    """Once the server takes writes again, the first write that succeeds starts again the writes
+    it refused meanwhile."""
+    a, keys = _writes_refused(engines, plain, slots=16)
     a.put([key(10)])
     eventually(lambda: all(on_server(plain, a.ns, k) for k in [*keys, key(10)]), "the writes retried")
-    # A value is on the server a moment before its write counts as completed.
     eventually(lambda: a.tier("remote")["writes_completed"] >= 5, "the retried writes to complete")
     rs = a.tier("remote")
     assert (rs["writes_retried"], rs["writes_completed"], rs["writes_failed"]) == (4, 5, 4)

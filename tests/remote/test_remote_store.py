@@ -396,6 +396,33 @@ def test_a_write_outlasts_a_stall_that_fails_a_lookup(redis_server: RedisServer,
         s.close()
 
 
+def test_the_store_says_once_when_it_answers_again(redis_server: RedisServer) -> None:
+    """A store whose breaker opened calls ``on_available`` once, when its probe finds the server
+    again (the hierarchy then starts the writes that failed meanwhile); not while the server
+    stays unavailable, nor while it stays available."""
+    s = make_store(redis_server, connect_timeout_s=0.2, timeout_s=0.25, probe_interval_s=0.1)
+    told: list[bool] = []
+    s.on_available = lambda: told.append(s.available)
+    try:
+        assert s.contains_many([skey(1)]) == [False] and told == []
+        redis_server.pause()
+        try:
+            assert s.contains_many([skey(1)]) == [False]
+            assert not s.available
+            time.sleep(0.5)  # several probes fail meanwhile
+            assert told == []
+        finally:
+            redis_server.resume()
+        eventually(lambda: told, "the store to say it answers again")
+        assert told == [True]  # the breaker closed before the call
+        assert s.contains_many([skey(1)]) == [False]
+        time.sleep(0.3)  # a second call would come from a probe still running
+        assert told == [True]
+    finally:
+        redis_server.resume()
+        s.close()
+
+
 def test_put_many_then_reports_from_the_loop_once_the_server_took_the_values(redis_server: RedisServer,
                                                                             plain: redis.Redis) -> None:
     """The write-behind's put: it returns once the values are encoded and handed to the tier's

@@ -47,7 +47,7 @@ from kvstrata.tiers.hierarchy.shared import (
 )
 from kvstrata.tiers.hierarchy.write_behind import WriteBehind
 from kvstrata.tiers.host import HostPool
-from kvstrata.tiers.lower import LowerTier, ScannableTier
+from kvstrata.tiers.lower import LowerTier, ReconnectingTier, ScannableTier
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,8 @@ class Hierarchy:
         host_pool.on_evict = self._on_evict
         for link in links:
             link.tier.on_removed = lambda keys, link=link: self._on_tier_removed(link, keys)
+            if isinstance(link.tier, ReconnectingTier):
+                link.tier.on_available = lambda link=link: self._on_tier_available(link)
         self._pipe.start()
 
     @property
@@ -512,6 +514,19 @@ class Hierarchy:
         if records:
             self._writes.forget(link, list(records))
             self._s.journal.add_removed_records(link.name, records)
+
+    def _on_tier_available(self, link: TierLink) -> None:
+        # On the tier's own thread (its probe found the server again): the writes it failed or
+        # postponed meanwhile start now, not after its next successful write, which an idle
+        # replica may never make. The loop takes our lock, so a tier never waits on the hierarchy.
+        try:
+            self._pipe.call_soon(self._resume_writes, link)
+        except RuntimeError:  # the pipeline stopped: closed, and its shutdown wrote what it could
+            pass
+
+    def _resume_writes(self, link: TierLink) -> None:  # on the pipeline's loop
+        with self._s.lock:
+            self._writes.schedule(self._writes.resume(link))
 
 
 class _Either:

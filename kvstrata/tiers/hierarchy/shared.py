@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 TIER_HOST = "host"
 DEFAULT_WRITE_INFLIGHT_BYTES = 128 << 20  # per lower tier, before its backpressure applies
-# A failed write is retried after the tier's next successful one at most this often: one retry
-# covers an outage; a chunk a tier keeps refusing must not be sent again after every success.
+# A failed write is retried after the tier's next successful one (or once a tier that was
+# unavailable answers again) at most this often: one retry covers an outage; a chunk a tier
+# keeps refusing must not be sent again after every success.
 MAX_WRITE_RETRIES = 1
 
 COUNTERS = (
@@ -91,9 +92,10 @@ class TierLink:
     # ``Shared``): writes in flight with no progress for WRITES_STALL_S mean the tier hangs.
     progress_at: float = 0.0
     # Those of them whose write failed: written again once a write to this tier succeeds (the
-    # server is back, the disk has room), as far as the write budget allows; a chunk whose
-    # writes failed more than MAX_WRITE_RETRIES times waits for the shutdown (or, with an
-    # admission threshold above 1, its next offer). ``failures``: failed writes per host chunk,
+    # disk has room again) or the tier says it answers again (a shared server's breaker
+    # closed: ``ReconnectingTier``), as far as the write budget allows; a chunk whose writes
+    # failed more than MAX_WRITE_RETRIES times waits for the shutdown (or, with an admission
+    # threshold above 1, its next offer). ``failures``: failed writes per host chunk,
     # until one succeeds or the chunk leaves the host tier.
     failed: set[bytes] = field(default_factory=set)
     failures: dict[bytes, int] = field(default_factory=dict)

@@ -293,8 +293,9 @@ class WriteBehind:
                 link.writes["failed"] += 1
                 s.counts["writes_failed"] += 1
                 if not removed and s.pool.is_ready(key):
-                    # Tried again after the tier's next successful write (once), by its next
-                    # offer (admission above 1), or by a clean shutdown.
+                    # Tried again after the tier's next successful write or once it answers
+                    # again after an outage (once), by its next offer (admission above 1), or
+                    # by a clean shutdown.
                     link.unwritten.add(key)
                     link.failures[key] = n = link.failures.get(key, 0) + 1
                     if n <= MAX_WRITE_RETRIES:
@@ -307,6 +308,13 @@ class WriteBehind:
                 # queued: write it again now if it is still admitted.
                 more += self.admitted(key, s.offers.get(key, 0), links=[link])
         self._start(more)
+
+    def resume(self, link: TierLink) -> list[Write]:
+        """``link`` answers again after an outage: its postponed writes that fit now and its
+        failed ones start, as after a successful write. Under the lock."""
+        if self.s.closed:
+            return []
+        return self._pump(link) + self._retry_failed(link)
 
     def _retry_failed(self, link: TierLink) -> list[Write]:
         """A write to ``link`` just succeeded: start again the failed writes of chunks the host

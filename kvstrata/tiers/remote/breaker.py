@@ -49,16 +49,17 @@ class Breaker:
         """A probe failed with ``exc``: the latest reason the server is unavailable."""
         self.last_error = describe(exc)
 
-    def recovered(self) -> None:
-        """A probe succeeded: close the breaker."""
+    def recovered(self) -> bool:
+        """A probe succeeded: close the breaker. True when this call closed it."""
         with self._lock:
             if self._up:
-                return
+                return False
             self._up = True
             down_for = time.monotonic() - (self._down_since or time.monotonic())
             self._down_since = None
             self.state_changes += 1
         logger.warning("kvstrata: %s available again after %.1fs", self.name, down_for)
+        return True
 
 
 def describe(exc: BaseException) -> str:

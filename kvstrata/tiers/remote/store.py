@@ -123,6 +123,7 @@ class RemoteStore:
         self._deadline = connect_timeout_s + timeout_s
         self._write_deadline = connect_timeout_s + write_timeout_s
         self.on_removed: Callable[[list[bytes]], None] | None = None
+        self.on_available: Callable[[], None] | None = None
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._counts_lock = threading.Lock()
         self._error_kinds: set[str] = set()
@@ -438,9 +439,17 @@ class RemoteStore:
                 except Exception as exc:
                     self._breaker.note(exc)
                     continue
-                self._breaker.recovered()
+                if self._breaker.recovered():
+                    self._tell_available()
         finally:
             self._probing = False
+
+    def _tell_available(self) -> None:
+        if self.on_available is not None and not self._closed:
+            try:
+                self.on_available()
+            except Exception:
+                logger.exception("kvstrata: %s: on_available callback failed", self.url)
 
     async def _reset_connections(self) -> None:
         for client in (self._client, self._writer):
