@@ -3,7 +3,8 @@
 ``DiskStore`` (``store``) is the façade; ``env`` opens a store directory and runs transactions,
 ``writer`` owns every write (``write_jobs``: what it is handed; ``putter``: what a transaction
 of puts does; ``ticks``: access ticks; ``syncer``: durability), ``recovery`` verifies a store
-after an unclean shutdown, ``damage`` handles what reads find damaged; ``slab_processes`` keeps
+after an unclean shutdown, ``damage`` handles what reads find damaged, ``views`` shows the store
+without changing it (index, scans, page census, namespaces, totals); ``slab_processes`` keeps
 the child processes that read into and frame (and put) out of the host slab. What one
 transaction reads and writes is the record layer, ``kvstrata.tiers.records``.
 """

@@ -2,9 +2,9 @@
 
 ``DiskStore`` is the façade over the parts of ``kvstrata.tiers.disk``: ``env`` (opening the
 directory, transactions), ``writer`` (the writer and sync threads; ``putter``: puts and
-evictions), ``recovery`` (the verification after an unclean shutdown), ``damage`` (what a read
-that finds damage does), ``slab_processes`` (reads and writes in child processes over host
-slabs) and the record layer ``kvstrata.tiers.records`` (what one transaction reads and writes).
+evictions), ``views`` (what it shows without changing it), ``recovery`` (the verification
+after an unclean shutdown), ``damage`` (what a read that finds damage does),
+``slab_processes`` (reads and writes in child processes over host slabs) and the record layer ``kvstrata.tiers.records`` (what one transaction reads and writes).
 Reads run in the caller's thread (callers use a thread pool), each in its own short read
 transaction that decompresses straight out of the zero-copy map view; every write runs on the
 writer thread (or, framed by the write processes, in the put process it hands them to).
@@ -22,16 +22,13 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import lmdb
-import msgspec
 
 from kvstrata import fsmode
 from kvstrata.tiers import codec
-from kvstrata.tiers import record_scans as scans
 from kvstrata.tiers import records as rec
 from kvstrata.tiers.codec import parse_mode as parse_codec_mode
 from kvstrata.tiers.disk.counters import Counters
@@ -41,6 +38,7 @@ from kvstrata.tiers.disk.env import StoreEnv, StoreUnavailableError
 from kvstrata.tiers.disk.readers import DiskReaders, Outcome
 from kvstrata.tiers.disk.recovery import Recovery
 from kvstrata.tiers.disk.slab_processes import SlabProcesses
+from kvstrata.tiers.disk.views import StoreViews
 from kvstrata.tiers.disk.write_jobs import PutJob, now_us, when_committed
 from kvstrata.tiers.disk.writer import Writer
 
@@ -134,6 +132,7 @@ class DiskStore:
             if self.unclean_shutdown:
                 self._recovery = Recovery(self._writer, self._counts)
         self._damage = Damage(self.path, self._counts, self._writer, auth, self._touch)
+        self._views = StoreViews(self._env, self._counts, self._damage, self._writer)
 
     # ---- transactions for the tools ---------------------------------------------------------------
 
@@ -250,87 +249,36 @@ class DiskStore:
         cursor = txn.cursor(db=self.h.index)
         return self._damage.unquarantined(keys, [cursor.set_key(k) for k in keys])
 
+    # ---- views (``disk/views.py``) ---------------------------------------------------------------
+
     def iter_index(self) -> Iterator[tuple[bytes, rec.IndexRecord]]:
-        """Every readable (key, record) in key order, in batches of separate short transactions
-        (one held across the caller's loop would pin freed pages and grow the file). Ticks
-        include access not yet written. Unreadable index records are skipped, counted and
-        dropped by the writer."""
-        after: bytes | None = None
-        while True:
-            try:
-                good, bad, after = self._env.txn(partial(scans.index_batch, h=self.h, after=after))
-            except lmdb.Error as exc:  # the index's own pages are damaged: stop, never raise
-                self._damage.log("the index cannot be read past this point", exc)
-                return
-            if bad:
-                self._counts.bump("index_unreadable", len(bad))
-                self._damage.log(f"{len(bad)} unreadable index record(s), e.g. {bad[0].hex()}", None)
-                self._damage.drop_soon(bad)
-            touched = self._writer.touched() if self._writer is not None else {}
-            for key, found in good:
-                tick = touched.get(key)
-                yield key, (msgspec.structs.replace(found, tick=tick) if tick and tick > found.tick else found)
-            if after is None:
-                return
+        """Every readable (key, record) in key order, ticks including access not yet written
+        (``StoreViews.iter_index``)."""
+        return self._views.iter_index()
 
     def scan(self, db: Literal["index", "payload", "meta"] = "index", *, prefix: bytes = b"",
              values: bool = True, damage: list[str] | None = None) -> Iterator[list[tuple[bytes, bytes | None]]]:
-        """Batches of ``(key, value copy or None)`` of one database in key order, under
-        ``prefix``, each batch its own short read transaction (payload keys are read without
-        touching their value pages when ``values`` is False). ``damage``: a damaged page of
-        LMDB's own structure ends the scan, said there, instead of raising."""
-        handle = getattr(self.h, db)
-        after: bytes | None = None
-        while True:
-            try:
-                batch = self._env.txn(partial(scans.scan_batch, db=handle, after=after, prefix=prefix, values=values))
-            except rec.LMDB_DAMAGE as exc:
-                if damage is None:
-                    raise
-                damage.append(f"the {db} database cannot be read past a damaged page ({exc})")
-                return
-            if batch:
-                yield batch
-            if len(batch) < rec.SCAN_BATCH:
-                return
-            after = batch[-1][0]
+        """Batches of ``(key, value copy or None)`` of one database (``StoreViews.scan``)."""
+        return self._views.scan(db, prefix=prefix, values=values, damage=damage)
 
     def page_census(self) -> dict[str, int]:
-        """LMDB's own account of the file: page size, the last page in use (from the meta page),
-        the pages the databases use, and the pages the file has. A meta page that names a last
-        page beyond the file, or fewer pages than the databases use, is damaged."""
-        info, psize = self._env.env.info(), self._env.env.stat()["psize"]
-        try:
-            file_bytes = (self.path / rec.DATA_FILE).stat().st_size
-        except OSError:
-            file_bytes = 0
-        return {"psize": psize, "last_pgno": int(info["last_pgno"]),
-                "live_pages": self.read(rec.live_bytes) // psize, "file_pages": file_bytes // psize}
+        """LMDB's own account of the file (``StoreViews.page_census``)."""
+        return self._views.page_census()
 
     def key_namespaces(self) -> list[bytes]:
         """The distinct namespaces of the stored keys (a record may outlive its registration)."""
-        return self._env.txn(lambda txn: scans.key_namespaces(txn, self.h))
+        return self._views.key_namespaces()
 
     def namespaces(self) -> dict[bytes, dict[str, Any]]:
         """The registered namespaces (fingerprint -> description); unreadable entries skipped."""
-        found, bad = self._env.txn(lambda txn: rec.namespaces(txn, self.h))
-        if bad:
-            self._damage.log(f"{len(bad)} unreadable namespace entr(ies), e.g. {bad[0].hex()}", None)
-        return found
+        return self._views.namespaces()
 
     def stats(self) -> dict[str, Any]:
         """Counters and totals; totals come from the store (exact across processes)."""
-        try:
-            totals = self._env.txn(self._totals_now)
-        except (StoreUnavailableError, lmdb.Error):
-            totals = rec.Totals()
+        totals = self._views.totals()
         counts = self._counts.snapshot()
         counts["map_resized"] = self._env.map_resized
         writer = self._writer
-        try:
-            file_bytes = (self.path / rec.DATA_FILE).stat().st_size
-        except OSError:
-            file_bytes = 0
         return {
             "path": str(self.path),
             "entries": totals.entries,
@@ -341,7 +289,7 @@ class DiskStore:
             # The file system's reserve, and the stored bytes it holds the store to (None: not now).
             "reserve_bytes": writer.reserve.reserve_bytes if writer is not None else 0,
             "reserve_cap_bytes": writer.reserve.cap if writer is not None else None,
-            "file_bytes": file_bytes,
+            "file_bytes": self._views.file_bytes(),
             "admitting": writer.admitting if writer is not None else False,
             "unclean_shutdown": self.unclean_shutdown,
             "recovering": self._recovery is not None and not self._recovery.done.is_set(),
@@ -350,21 +298,6 @@ class DiskStore:
             "level": self._level,
             **counts,
         }
-
-    def _totals_now(self, txn: lmdb.Transaction) -> rec.Totals:
-        totals = rec.read_totals(txn, self.h)
-        if totals is not None:
-            return totals
-        # Derived data: recount, and have the writer store the recount once.
-        self._damage.log("the totals record is unreadable; recounted", None)
-        if self._writer is not None:
-            self._writer.call_soon(self._rewrite_totals)
-        return rec.recount(txn, self.h)[0]
-
-    def _rewrite_totals(self) -> None:
-        assert self._writer is not None
-        self._counts.bump("totals_recounted")
-        self._writer.write(lambda txn: rec.write_totals(txn, self.h, rec.recount(txn, self.h)[0]))
 
     # ---- writes ---------------------------------------------------------------------------------
 
