@@ -4,10 +4,11 @@
 directory, transactions), ``writer`` (the writer and sync threads; ``putter``: puts and
 evictions), ``views`` (what it shows without changing it), ``recovery`` (the verification
 after an unclean shutdown), ``damage`` (what a read that finds damage does),
-``slab_processes`` (reads and writes in child processes over host slabs) and the record layer ``kvstrata.tiers.records`` (what one transaction reads and writes).
-Reads run in the caller's thread (callers use a thread pool), each in its own short read
-transaction that decompresses straight out of the zero-copy map view; every write runs on the
-writer thread (or, framed by the write processes, in the put process it hands them to).
+``slab_processes`` (reads and writes in child processes over host slabs) and the record layer
+``kvstrata.tiers.records`` (what one transaction reads and writes). Reads run in the caller's
+thread (callers use a thread pool), each in its own short read transaction that decompresses
+straight out of the zero-copy map view; every write runs on the writer thread (or, framed by
+the write processes, in the put process it hands them to).
 Several processes may open the same store: LMDB serialises their write transactions and the
 running totals live in the store, so that they stay exact across processes.
 
