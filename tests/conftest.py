@@ -23,6 +23,12 @@ if _ROOT not in sys.path:
 
 import session_summary  # noqa: E402 (found through the path above)
 
+from kvstrata.tools import job_forkserver  # noqa: E402
+
+# Engine jobs fork from a server that imported vLLM once instead of importing it again each
+# (kvstrata/tools/job_forkserver.py): still a new process for every job.
+job_forkserver.enable()
+
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:

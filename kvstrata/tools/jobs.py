@@ -25,8 +25,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from kvstrata.tools import job_forkserver
 from kvstrata.tools.engine import (
     EngineOptions,
     ProgressFn,
@@ -39,6 +40,7 @@ from kvstrata.tools.engine import (
     store_summary,
     thread_cpu_seconds,
 )
+from kvstrata.tools.job_forkserver import ForkedJob
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -225,11 +227,9 @@ def run_jobs_subprocess(
         job_file.write_text(json.dumps({"jobs": list(jobs)}))
         progress_file.touch()
         log_file = log_path or tmpdir / "engine.log"
-        cmd = [sys.executable, "-m", "kvstrata.tools.jobs", str(job_file), str(result_file),
-               str(progress_file)]
+        argv = [str(job_file), str(result_file), str(progress_file)]
         with open(log_file, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=child_env(env))
+            proc = _start_child(argv, log, child_env(env))
             try:
                 _follow(proc, progress_file, progress, timeout_s)
             except subprocess.TimeoutExpired:
@@ -247,7 +247,17 @@ def run_jobs_subprocess(
         return json.loads(result_file.read_text())
 
 
-def _follow(proc: subprocess.Popen[bytes], progress_file: Path, progress: ProgressFn | None,
+def _start_child(argv: list[str], log: IO[bytes], env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedJob:
+    """The child running ``_child_main(argv)``: forked from the job server where this process
+    enabled it (tools/job_forkserver.py), else a new interpreter."""
+    ctx = job_forkserver.context_for(env)
+    if ctx is not None:
+        return ForkedJob(ctx, job_forkserver.run_in_child, (_child_main, argv, log.name, env))
+    cmd = [sys.executable, "-m", "kvstrata.tools.jobs", *argv]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def _follow(proc: subprocess.Popen[bytes] | ForkedJob, progress_file: Path, progress: ProgressFn | None,
             timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     offset = 0
