@@ -2,6 +2,9 @@
 
 Every engine runs in its own Python process (``kvstrata.tools.jobs.run_job_subprocess``), so a
 "restart" is a real one and a crash in vLLM or kvstrata fails one test instead of the session.
+The suite forks those processes from a server that imported vLLM once
+(``kvstrata/tools/job_forkserver.py``): new processes still, none of which saw an earlier
+engine or store.
 """
 
 from __future__ import annotations
