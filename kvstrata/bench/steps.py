@@ -12,6 +12,9 @@ device KV cache puts on a workload (docs/BENCHMARKS.md, "Inside the engine's ste
 decode-only step ran): the same model step whatever a cache serves, so it tells how fast the
 machine was while a configuration ran; on a shared VM that moves by 10-40 % from minute to minute
 (docs/BENCHMARKS.md, "The pair three times, every peer twice, and the VM's slow minutes").
+A configuration that keeps more requests running has a larger full batch, so its probe is a
+larger step: ``decode_steps_by_running`` gives, per number of requests decoded, how many
+decode-only steps there were and their median, to compare configurations at the same batch.
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ def summarise_steps(lines: Iterable[str]) -> dict[str, Any] | None:
     out["decode_step_running"] = full
     out["decode_step_ms"] = (round(statistics.median(ms for n, ms in decode if n == full), 2)
                              if decode else None)
+    by_running: dict[int, list[float]] = {}
+    for n, ms in decode:
+        by_running.setdefault(n, []).append(ms)
+    out["decode_steps_by_running"] = {
+        str(n): {"steps": len(ms), "median_ms": round(statistics.median(ms), 2)}
+        for n, ms in sorted(by_running.items())}
     return out
 
 
@@ -81,7 +90,8 @@ def log_steps(log: Path) -> dict[str, Any] | None:
 def combine(figures: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Several servers' or runs' step figures as one: counts and seconds summed, the most
     requests running at once the largest of them, ``decode_step_ms`` the median of theirs (a
-    machine-speed probe, not a sum). None when none has any."""
+    machine-speed probe, not a sum), and per batch size the steps summed and the median of
+    their medians. None when none has any."""
     have = [f for f in figures if f]
     if not have:
         return None
@@ -92,4 +102,12 @@ def combine(figures: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
     out["decode_step_running"] = max(int(f.get("decode_step_running") or 0) for f in have)
     probes = [f["decode_step_ms"] for f in have if f.get("decode_step_ms") is not None]
     out["decode_step_ms"] = round(statistics.median(probes), 2) if probes else None
+    by_running: dict[str, list[dict[str, Any]]] = {}
+    for f in have:
+        for n, fig in (f.get("decode_steps_by_running") or {}).items():
+            by_running.setdefault(n, []).append(fig)
+    out["decode_steps_by_running"] = {
+        n: {"steps": sum(f["steps"] for f in figs),
+            "median_ms": round(statistics.median(f["median_ms"] for f in figs), 2)}
+        for n, figs in sorted(by_running.items(), key=lambda kv: int(kv[0]))}
     return out

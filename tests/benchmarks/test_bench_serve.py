@@ -283,7 +283,8 @@ def test_engine_steps_are_read_from_the_servers_iteration_lines(tmp_path) -> Non
     assert fig == {"steps": 5, "prefill_steps": 3, "shared_prefill_steps": 1, "decode_only_steps": 2,
                    "context_tokens": 5125, "generation_tokens": 5, "prefill_step_s": 7.169,
                    "decode_only_s": 0.19, "max_running": 2,
-                   "decode_step_running": 2, "decode_step_ms": 94.91}
+                   "decode_step_running": 2, "decode_step_ms": 94.91,
+                   "decode_steps_by_running": {"2": {"steps": 2, "median_ms": 94.91}}}
     # The machine-speed probe is the median of the full-batch decode-only steps only: a step
     # that decoded fewer requests (a batch draining) is left out.
     draining = _STEP_LOG.splitlines()[5].replace("Iteration(4)", "Iteration(5)").replace(
@@ -291,6 +292,9 @@ def test_engine_steps_are_read_from_the_servers_iteration_lines(tmp_path) -> Non
     ).replace("63.26 ms", "10.00 ms")
     probe = steps.summarise_steps([*_STEP_LOG.splitlines(), draining])
     assert probe is not None and probe["decode_only_steps"] == 3 and probe["decode_step_ms"] == 94.91
+    # Per batch size, each its own median: configurations compare at the same batch.
+    assert probe["decode_steps_by_running"] == {"1": {"steps": 1, "median_ms": 10.0},
+                                                "2": {"steps": 2, "median_ms": 94.91}}
     # Prefill steps only: no decode step to time.
     prefill_only = steps.summarise_steps(_STEP_LOG.splitlines()[:3])
     assert prefill_only is not None and prefill_only["decode_step_ms"] is None
@@ -302,6 +306,13 @@ def test_engine_steps_are_read_from_the_servers_iteration_lines(tmp_path) -> Non
     both = steps.combine([fig, None, other, prefill_only])
     assert both is not None and both["steps"] == 8 and both["max_running"] == 3
     assert both["decode_step_ms"] == 70.0  # the median of the probes that have one
+    # Per batch size: steps summed, the median of the servers' medians.
+    other_probe = {**probe, "decode_steps_by_running": {"1": {"steps": 4, "median_ms": 20.0},
+                                                        "3": {"steps": 1, "median_ms": 150.0}}}
+    mixed = steps.combine([probe, other_probe, prefill_only])
+    assert mixed is not None and mixed["decode_steps_by_running"] == {
+        "1": {"steps": 5, "median_ms": 15.0}, "2": {"steps": 2, "median_ms": 94.91},
+        "3": {"steps": 1, "median_ms": 150.0}}
     assert both["context_tokens"] == 14346 and both["prefill_step_s"] == 19.627
     assert steps.combine([None, None]) is None
     # Every server the bench starts logs its steps; a spec may opt out.
