@@ -171,7 +171,14 @@ class LookupMixin:
             self._awaiting.add(request.request_id)
             self._hold(st, found)
             return None, False
-        if not hit:
+        if hit:
+            # vLLM may find no room for the hit's blocks in this step (its KV cache is full):
+            # the request then waits and is looked up again at a later step, and the chunks
+            # promoted for it would meanwhile be idle host slots that other requests' stores
+            # evict and its next lookup promotes again. Held until that lookup, or until its
+            # load pins them (update_state_after_alloc) or it ends.
+            self._hold(st, found)
+        else:
             self._release_held(st)
         st.awaiting = []
         self._awaiting.discard(request.request_id)

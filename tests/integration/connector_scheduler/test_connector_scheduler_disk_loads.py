@@ -276,12 +276,13 @@ def test_a_disk_hit_waits_for_host_room_to_be_promoted_whole(runners, tmp_path: 
     hierarchy.complete_store(pinned, success=False)
 
 
-def _restarted_over_a_stored_prompt(runners, tmp_path: Path, prompt: list[int], **extra) -> Runner:
+def _restarted_over_a_stored_prompt(runners, tmp_path: Path, prompt: list[int], num_blocks: int = 400,
+                                    **extra) -> Runner:
     store = tmp_path / "persist"
     first = runners([G("full", 16)], store=store)
     first.serve(prompt, 1)
     first.close()
-    return runners([G("full", 16)], store=store, extra=extra)
+    return runners([G("full", 16)], store=store, num_blocks=num_blocks, extra=extra)
 
 
 def _promotions_landed(r: Runner) -> None:
@@ -323,6 +324,50 @@ def test_a_waiting_request_s_landed_chunks_are_kept_until_it_loads_them(runners,
     assert stats["chunks_held"] == 0 and stats["host"]["referenced"] == len(pinned)
     hierarchy.complete_store(pinned, success=False)
     assert second.stats.data["hit_tokens_disk"] == 96
+
+
+def test_a_hit_vllm_finds_no_blocks_for_keeps_its_chunks_until_it_loads_them(runners, tmp_path: Path) -> None:
+    """Streamed loads (the default under "recompute"): a restarted engine's request is answered
+    a hit of its 6 chunks on disk, promoted for it, but vLLM finds no blocks for it while a long
+    request decodes, so it waits and is looked up again at every step. Meanwhile other stores
+    take every host slot they may: the request's landed chunks are held for it, not evicted, and
+    it is served all 96 tokens from the 6 promotions, each promoted once. Watched failing
+    without the holds on a hit (the stores evicted the landed chunks: 12 promotions)."""
+    import os
+
+    prompt = token_prompt(96)  # chunk-aligned: no prompt tail
+    second = _restarted_over_a_stored_prompt(runners, tmp_path, prompt, num_blocks=23)
+    hierarchy = second.connector.scheduler.hierarchy
+    # A long request holds 19-20 of the 22 blocks while it decodes (its stores done first).
+    long = second.add(token_prompt(288, seed=6), 20)
+    second.step()
+    _stores_landed(second)
+    req = second.add(prompt, 1)
+    second.step()  # answered a hit; vLLM cannot allocate its blocks
+    assert req.request_id not in second.loaded_tokens
+    _promotions_landed(second)
+    assert hierarchy.stats()["chunks_held"] == 6
+    # Stores take every slot a store may have.
+    others = [os.urandom(28) + bytes(4) for _ in range(hierarchy.store_room())]
+    assert hierarchy.prepare_store(others) is not None
+    hierarchy.complete_store(others, success=False)
+    second.run_until_idle()
+    assert long.request_id in second.outputs and second.loaded_tokens[req.request_id] == 96
+    assert second.load_errors == []
+    stats = hierarchy.stats()
+    assert stats["promotions_started"] == 6, stats
+    assert stats["chunks_held"] == 0
+    assert_host_tier_released(second)
+
+
+def _stores_landed(r: Runner) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while r.connector.scheduler.hierarchy.stats()["stores_inflight"]:
+        assert time.monotonic() < deadline, "stores never landed"
+        r.step()
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("end", ["abort", "reset"])
