@@ -295,10 +295,10 @@ class Hierarchy:
         a hit vLLM finds no blocks for in that step, runs again only when vLLM's scheduler
         reaches the request again, and meanwhile its landed chunks would be idle slots that
         other requests' stores and promotions evict (a small host tier then promotes the same
-        chunks over and over: docs/BENCHMARKS.md, "Holding a waiting request's chunks"). At most half the host tier's slots are held at once, first
-        come first held (a request's keys in prefix order); stores still in flight are not
-        held. Returns the keys pinned (a key once per pin): release them with
-        :meth:`release_held`."""
+        chunks over and over: docs/BENCHMARKS.md, "Holding a waiting request's chunks"). At
+        most half the host tier's slots are held at once, first come first held (a request's
+        keys in prefix order); stores still in flight are not held. Returns the keys pinned (a
+        key once per pin): release them with :meth:`release_held`."""
         s = self._s
         pool = self.pool
         out: list[bytes] = []
