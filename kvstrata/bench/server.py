@@ -343,6 +343,8 @@ KVSTRATA_SERIES = {
     "promotions_queued": "vllm:kvstrata_promotions_queued",
     # Chunks pinned for requests whose lookup waited, until they loaded them.
     "waiting_holds": "vllm:kvstrata_waiting_holds",
+    # Chunks promoted and evicted before a load used them (disk reads for nothing).
+    "promotions_unused": "vllm:kvstrata_promotions_unused",
     # Seconds from a load's submission to its end in the workers (a streamed one's wait for
     # chunks landing from disk included).
     "load_seconds": "vllm:kvstrata_load_seconds_total",

@@ -450,6 +450,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
             "promotion_room_waits": int(h.get("promote_room_waits", 0)),
             "promotions_queued": int(h.get("promote_queued", 0)),
             "waiting_holds": int(h.get("waiting_holds", 0)),
+            "promotions_unused": int(h.get("promotions_unused", 0)),
         }
         r = h.get("tiers", {}).get(TIER_REMOTE)
         if r is not None and "error" not in r:

@@ -65,6 +65,9 @@ GAUGES = (
     "promotions_queued",
     # Chunks pinned in the host tier for requests whose lookup waited, until they loaded them.
     "waiting_holds",
+    # Chunks promoted and evicted before any load used them: disk reads for nothing (a host
+    # tier too small for what waiting requests want).
+    "promotions_unused",
     # Disk writes run on normal-priority threads to catch up, and the share of what the disk
     # was given that requests came back for (tiers/hierarchy/reuse.py).
     "disk_writes_urgent", "disk_write_reuse",

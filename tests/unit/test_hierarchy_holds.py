@@ -103,3 +103,27 @@ def test_a_held_chunk_whose_promotion_fails_is_let_go_cleanly(env):
     eventually(lambda: h2.stats()["host"]["referenced"] == 0, "the store's write-behind")
     h2.close()
     assert h2.hold([key(1)]) == []  # closed: nothing held
+
+
+def test_promotions_evicted_before_a_load_used_them_are_counted_unused(env):
+    """Six chunks promoted for a lookup: two loaded (their promotions were used), one held,
+    then other requests' stores take the room. The three evicted unloaded count as
+    ``promotions_unused``; the loaded ones, evicted later, and the held one do not; a reset
+    drops the rest without counting them."""
+    h, keys = _restarted_with_on_disk(env, 6, slots=8)
+    assert h.lookup_many(keys) == [PENDING] * 6
+    assert h.wait_promotions(keys, 30)
+    h.prepare_load(keys[:2])
+    h.complete_load(keys[:2])
+    held = h.hold(keys[2:3])
+    assert h.stats()["promotions_unused"] == 0
+    store(h, [key(100 + i) for i in range(7)])  # 7 of the 8 slots: every idle chunk goes
+    st = h.stats()
+    assert st["promotions_unused"] == 3, st
+    assert h.lookup_many(keys[2:3]) == [HIT]
+    h.release_held(held)
+    eventually(lambda: h.stats()["host"]["referenced"] == 0, "the stores' write-behind")
+    assert h.lookup_many(keys[3:4]) == [PENDING]  # promoted again
+    assert h.wait_promotions(keys[3:4], 30)
+    assert h.reset()
+    assert h.stats()["promotions_unused"] == 3

@@ -392,6 +392,8 @@ class Hierarchy:
             slots = [self.pool.acquire(k) for k in keys]
             for key in keys:
                 self.pool.touch(key)
+            if s.unread:
+                s.unread.difference_update(keys)
             s.counts["loads_prepared"] += len(keys)
             return slots
 
@@ -425,6 +427,8 @@ class Hierarchy:
         """
         s = self._s
         with s.lock:
+            # What a reset drops was not promoted for nothing (``promotions_unused``).
+            s.unread.intersection_update(s.promoting)
             self.pool.evict_idle()
             s.offers.clear()
             s.bad.clear()
@@ -494,6 +498,11 @@ class Hierarchy:
 
     def _on_evict(self, keys: list[bytes]) -> None:  # called by the pool, under our lock
         self._writes.evicted(keys)
+        unread = self._s.unread
+        if unread:
+            before = len(unread)
+            unread.difference_update(keys)
+            self._s.counts["promotions_unused"] += before - len(unread)
         for link in self._s.links:
             link.resident.difference_update(keys)
             if link.unwritten:

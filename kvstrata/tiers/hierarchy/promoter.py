@@ -52,6 +52,7 @@ class Promoter:
         self.s.promoting.update((key, link.name) for key, _, link in items)
         self.tickets.update(zip((key for key, _, _ in items), range(n, n + len(items)), strict=True))
         self._next_ticket = n + len(items)
+        self.s.unread.update(key for key, _, _ in items)
         for key, _, link in items:
             link.resident.add(key)
 
@@ -156,6 +157,7 @@ class Promoter:
                     self.writes.schedule(writes)
             else:
                 link.resident.discard(key)
+                s.unread.discard(key)
                 pins = s.pool.refs(key) - 1
                 if pins > 0:
                     self.dead_pins[key] = self.dead_pins.get(key, 0) + pins
@@ -195,6 +197,8 @@ class Promoter:
                 continue
             out.append((pool.acquire(key), ticket))
             pool.touch(key)
+        if self.s.unread:
+            self.s.unread.difference_update(keys)
         return out
 
     def release(self, keys: Sequence[bytes]) -> None:

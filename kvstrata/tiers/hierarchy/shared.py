@@ -40,7 +40,7 @@ COUNTERS = (
     "promote_room_waits", "promote_queued", "waiting_holds", "waiting_holds_capped",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
     "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed", "writes_retried",
-    "writes_resumed", "writes_lost", "writes_urgent",
+    "writes_resumed", "writes_lost", "writes_urgent", "promotions_unused",
 )
 
 
@@ -267,6 +267,9 @@ class Shared:
         self.promoting: dict[bytes, str] = {}  # lower tier -> host in flight: key -> tier name
         # Chunks pinned for requests whose lookup waits (``Hierarchy.hold``): key -> pins.
         self.held: dict[bytes, int] = {}
+        # Chunks promoted that no load has pinned yet: evicted so, the promotion was read for
+        # nothing (``promotions_unused``, a host tier too small for what requests wait on).
+        self.unread: set[bytes] = set()
         self.bad = FailedPromotions(retry_failed_after_s, clock)
         self.clock = clock  # monotonic seconds (tests drive it)
         self.journal = Journal(events, shards=len(self.namespaces))
