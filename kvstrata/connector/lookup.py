@@ -25,7 +25,7 @@ from kvstrata.connector.metadata import ChunkCopy, TransferJob
 from kvstrata.connector.request_state import Job, PieceLoad, RequestState, served_by_tier
 from kvstrata.connector.stats import StrataStats
 from kvstrata.presence import Presence
-from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE, chunk_group
+from kvstrata.tiers.hierarchy import TIER_DISK, TIER_REMOTE, PromotionBudget, chunk_group
 from kvstrata.tiers.manager import TierManager
 
 # Where vLLM's per-source hit figures put each lower tier; the farther tier wins a token range
@@ -56,6 +56,7 @@ class LookupMixin:
     _being_loaded: set[bytes] | None
     _awaiting: set[str]
     _pieced: dict[str, None]
+    _step_lookups: int  # lookups in this scheduling step so far
 
     if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
         def _refresh_keys(self, st: RequestState) -> None: ...
@@ -80,6 +81,14 @@ class LookupMixin:
         st.num_local = num_computed_tokens
         if request.skip_reading_prefix_cache:
             return 0, False
+        # vLLM looks its waiting requests up in its queue's order each step and schedules them in
+        # that order: the first lookup of a step promotes what it needs, as far as room goes
+        # (even while it waits for promotions in flight); later ones (requests behind it, which
+        # wait anyway while it waits) no more than they can hold, or others' promotions and
+        # stores evict what they promoted before they load it (docs/BENCHMARKS.md, "Promotions
+        # a waiting request can hold").
+        behind = self._step_lookups > 0
+        self._step_lookups += 1
         now = time.monotonic()
         if st.lookup_started is None:
             st.lookup_started = now
@@ -101,6 +110,7 @@ class LookupMixin:
         # Loads in pieces began before this request was looked up: the room they wait for is
         # theirs first (a new request's chunks wait, or are queued behind them).
         reserve = self._room_for_pieces() if self._pieced else 0
+        budget = PromotionBudget(self.hierarchy.hold_room()) if behind else None
 
         def probe(keys: Iterable[bytes], prefix: bool = False) -> list[Presence]:
             keys = list(keys)
@@ -108,7 +118,7 @@ class LookupMixin:
             answers = list(self.hierarchy.lookup_many(
                 keys, st.promoted, stream=self.stream_loads, prefix=prefix, protect=answered,
                 offered=st.offered, defer_promotions=True, wait_for_room=wait_for_room, queued=queued,
-                reserve=reserve))
+                reserve=reserve, budget=budget))
             # With C-level iteration: a long prompt's probe is hundreds of keys, every step.
             answered.update(compress(keys, map(is_, answers, repeat(Presence.HIT))))
             found.extend(compress(keys, map(is_not, answers, repeat(Presence.MISS))))

@@ -95,6 +95,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
         self._tiers_at = 0.0
         self._awaiting: set[str] = set()  # requests whose lookup waits on st.awaiting
         self._pieced: dict[str, None] = {}  # requests with pieces of a load still to load
+        self._step_lookups = 0  # lookups in this scheduling step so far
         self._block_hash_fn: Any = None  # vLLM's prefix-caching hash, for prompt-tail keys
 
     # ---------------------------------------------------------------- requests
@@ -223,6 +224,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
             if not st.jobs and st.pieces is None:
                 del self._reqs[req_id]
         self._loads, self._flush, self._allocated = [], set(), set()
+        self._step_lookups = 0
         # vLLM's scheduling of this step is done: the reads this step's lookups started run
         # now, beside the forward rather than inside the scheduler's critical path.
         self.hierarchy.launch_deferred_promotions()

@@ -5,10 +5,13 @@ changes and statistics. ``kvstrata.tiers.hierarchy.Hierarchy`` implements it."""
 from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.lower import LowerTier
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.hierarchy import PromotionBudget
 
 
 class TierManager(Protocol):
@@ -21,9 +24,14 @@ class TierManager(Protocol):
                     stream: bool = False, prefix: bool = False,
                     protect: set[bytes] | None = None, offered: set[bytes] | None = None,
                     defer_promotions: bool = False, wait_for_room: bool = False,
-                    queued: set[bytes] | None = None, reserve: int = 0) -> list[Presence]:
+                    queued: set[bytes] | None = None, reserve: int = 0,
+                    budget: PromotionBudget | None = None) -> list[Presence]:
         """HIT / PENDING / MISS per chunk key; chunks only in a lower tier start their
         promotion (see ``Hierarchy.lookup_many``)."""
+        ...
+
+    def hold_room(self) -> int:
+        """Chunks ``hold`` could pin now that it does not pin yet."""
         ...
 
     def host_room(self) -> int:

@@ -17,6 +17,8 @@ from hierarchy_helpers import (
     store,
 )
 
+from kvstrata.tiers.hierarchy import PromotionBudget
+
 
 def _restarted_with_on_disk(env, n: int, slots: int):
     """A hierarchy of ``slots`` host slots over a disk holding chunks key(0)..key(n-1), none of
@@ -127,3 +129,31 @@ def test_promotions_evicted_before_a_load_used_them_are_counted_unused(env):
     assert h.wait_promotions(keys[3:4], 30)
     assert h.reset()
     assert h.stats()["promotions_unused"] == 3
+
+
+def test_a_lookup_with_a_budget_promotes_no_more_than_it_can_hold(env):
+    """A lookup behind another in its step gets ``hold_room()`` as its budget: past it, chunks
+    are answered as if the host tier had no room (PENDING while the request may wait for room,
+    queued hits for a streamed load), counted ``promote_held_back``; without a way to wait or
+    queue, the budget does not apply (a chunk held back would be computed). Watched failing
+    with the budget ignored (all 6 promoted)."""
+    h, keys = _restarted_with_on_disk(env, 6, slots=8)
+    assert h.hold_room() == 4
+    held = h.hold([])  # nothing to hold: the room stays
+    assert held == [] and h.hold_room() == 4
+    budget = PromotionBudget(2)
+    assert h.lookup_many(keys, prefix=True, wait_for_room=True, budget=budget) == [PENDING] * 6
+    st = h.stats()
+    assert budget.left == 0 and st["promotions_started"] == 2, st
+    assert st["promote_held_back"] == 4 and st["promote_room_waits"] == 4, st
+    assert h.wait_promotions(keys[:2], 30)
+    held = h.hold(keys)
+    assert held == keys[:2] and h.hold_room() == 2
+    queued: set[bytes] = set()
+    answers = h.lookup_many(keys, stream=True, prefix=True, queued=queued, budget=PromotionBudget(1))
+    assert answers == [HIT] * 6 and queued == set(keys[3:]), (answers, queued)
+    assert h.stats()["promotions_started"] == 3
+    assert h.lookup_many(keys[4:], budget=PromotionBudget(0)) == [PENDING] * 2  # not applied
+    assert h.stats()["promotions_started"] == 5
+    assert h.wait_promotions(keys, 30)
+    h.release_held(held)

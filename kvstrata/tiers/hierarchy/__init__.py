@@ -6,6 +6,7 @@ from kvstrata.tiers.hierarchy.hierarchy import Hierarchy
 from kvstrata.tiers.hierarchy.shared import (
     DEFAULT_WRITE_INFLIGHT_BYTES,
     TIER_HOST,
+    PromotionBudget,
     TierLink,
     chunk_group,
 )
@@ -13,4 +14,4 @@ from kvstrata.tiers.hierarchy.shared import (
 TIER_DISK = "disk"  # DiskStore's tier name
 TIER_REMOTE = "remote"  # RemoteStore's tier name
 
-__all__ = ["DEFAULT_WRITE_INFLIGHT_BYTES", "TIER_DISK", "TIER_HOST", "TIER_REMOTE", "Hierarchy", "TierLink", "chunk_group"]
+__all__ = ["DEFAULT_WRITE_INFLIGHT_BYTES", "TIER_DISK", "TIER_HOST", "TIER_REMOTE", "Hierarchy", "PromotionBudget", "TierLink", "chunk_group"]

@@ -40,6 +40,7 @@ from kvstrata.tiers.hierarchy.shared import (
     DEFAULT_WRITE_INFLIGHT_BYTES,
     TIER_HOST,
     Pipeline,
+    PromotionBudget,
     Shared,
     TierLink,
     per_tier,
@@ -175,6 +176,7 @@ class Hierarchy:
         wait_for_room: bool = False,
         queued: set[bytes] | None = None,
         reserve: int = 0,
+        budget: PromotionBudget | None = None,
     ) -> list[Presence]:
         """HIT (in host, readable), PENDING (store or promotion in flight) or MISS, per key.
 
@@ -205,13 +207,23 @@ class Hierarchy:
         pieces rather than computed). ``reserve``: host slots this lookup's promotions must
         leave free (or evictable) for others, the loads in pieces that wait for room: without
         it, the lookups of new requests, which run first in each step, take every slot those
-        loads free, and the loads wait until they are given up.
+        loads free, and the loads wait until they are given up. ``budget``: at most this many
+        promotions start (spent from it); a chunk past it is answered as one without room
+        (counted ``promote_held_back``): a lookup whose request may not be scheduled in this
+        step promotes no more than it can hold (:meth:`hold_room`), since what it cannot hold
+        is evicted by others before it loads it (``promotions_unused``).
         """
         if queued is not None and not stream:
             raise ValueError("queued promotions are loaded by streamed loads only")
         return self._lookup.lookup(keys, count_offers=True, promoting=promoting, stream=stream,
                                    prefix=prefix, protect=protect, offered=offered, defer=defer_promotions,
-                                   wait_for_room=wait_for_room, queued=queued, reserve=reserve)
+                                   wait_for_room=wait_for_room, queued=queued, reserve=reserve,
+                                   budget=budget)
+
+    def hold_room(self) -> int:
+        """Chunks :meth:`hold` could pin now that it does not pin yet."""
+        with self._s.lock:
+            return max(0, self.pool.num_slots // 2 - len(self._s.held))
 
     def host_room(self) -> int:
         """Host slots a promotion could take now (free, or holding a chunk nothing pins)."""
@@ -306,7 +318,7 @@ class Hierarchy:
             if s.closed:
                 return out
             held = s.held
-            room = pool.num_slots // 2 - len(held)
+            room = pool.num_slots // 2 - len(held)  # as hold_room()
             for key in keys:
                 entry = pool.get(key)
                 if entry is None or not (entry[1] or key in s.promoting):

@@ -16,7 +16,7 @@ from itertools import compress
 
 from kvstrata.presence import Presence
 from kvstrata.tiers.hierarchy.promoter import Promoter
-from kvstrata.tiers.hierarchy.shared import Shared, TierLink
+from kvstrata.tiers.hierarchy.shared import PromotionBudget, Shared, TierLink
 from kvstrata.tiers.hierarchy.write_behind import WriteBehind
 from kvstrata.tiers.host import HostPool
 from kvstrata.tiers.lower import all_shards_present
@@ -63,6 +63,7 @@ class Lookup:
         wait_for_room: bool = False,
         queued: set[bytes] | None = None,
         reserve: int = 0,
+        budget: PromotionBudget | None = None,
     ) -> list[Presence]:
         # Kept to C-level iteration and list comprehensions over the keys: this runs on the
         # scheduler's critical path, for hundreds of keys every step a long prompt waits.
@@ -123,7 +124,8 @@ class Lookup:
         source = self.find(keys, candidates, prefix)
         self._start_promotions(keys, states, source, streamed, promoting, stream, protect,
                                 ([i for i in candidates if fresh[i]] if any_fresh else [])
-                                if count_offers else None, defer, wait_for_room, queued, reserve)
+                                if count_offers else None, defer, wait_for_room, queued, reserve,
+                                budget)
         return states
 
     def find(self, keys: Sequence[bytes], candidates: list[int], prefix: bool) -> dict[int, TierLink]:
@@ -174,7 +176,7 @@ class Lookup:
                           streamed: int, promoting: MutableMapping[bytes, str] | None, stream: bool,
                           protect: set[bytes] | None, asked: list[int] | None, defer: bool = False,
                           wait_for_room: bool = False, queued: set[bytes] | None = None,
-                          reserve: int = 0) -> None:
+                          reserve: int = 0, budget: PromotionBudget | None = None) -> None:
         """``asked``: the keys (indices) a request's lookup looked for below the host tier, for
         the tiers' reuse evidence (None: a promotion that is no request's). ``defer``: the
         reads are held until ``Promoter.launch_deferred``. ``wait_for_room``: a chunk the host
@@ -183,7 +185,8 @@ class Lookup:
         (streamed loads only): otherwise such a chunk answers HIT and is added there, to be
         promoted and loaded once room frees (``Hierarchy.lookup_many``). ``reserve``: host
         slots these promotions leave to others (loads in pieces waiting for room): a chunk that
-        would take one of them has no room."""
+        would take one of them has no room. ``budget``: promotions this lookup may still start
+        (spent here); a chunk past it is answered as one without room."""
         s = self.s
         items = []
         with s.lock:
@@ -191,10 +194,14 @@ class Lookup:
                 self._note_read_back(keys, source, asked)
             protected: set[bytes] | None = None
             room = not s.closed
+            held_back = False  # room ends for want of budget
             order = sorted(source)
             # Waiting is worth it only where the promotions could all fit in the tier at all.
             wait_for_room = wait_for_room and len(order) <= s.pool.num_slots
-            slots_of = self._allocate_all(keys, order, states, protect, reserve) if room else {}
+            if not wait_for_room and queued is None:
+                budget = None  # a chunk held back would be computed: promote what room allows
+            slots_of = (self._allocate_all(keys, order, states, protect, reserve, budget)
+                        if room else {})
             if slots_of:  # every absent chunk got its slot at once (the usual case): one pass
                 answer = _HIT if stream else _PENDING
                 rest = []  # those in the host tier already (a store meanwhile, a duplicate key)
@@ -207,6 +214,8 @@ class Lookup:
                         items.append((key, slot, source[i]))
                         states[i] = answer
                 self.promoter.start_many(items)
+                if budget is not None:
+                    budget.left -= len(items)
                 streamed += stream * len(items)
                 if promoting is not None:
                     promoting.update((key, link.name) for key, _, link in items)
@@ -223,7 +232,12 @@ class Lookup:
                     else:
                         states[i] = _PENDING
                     continue
+                if budget is not None and budget.left <= 0:
+                    # What this lookup could not hold: promoted now, it would be evicted by
+                    # other requests' promotions and stores before its request loads it.
+                    room, held_back = False, True
                 if not room:
+                    s.counts["promote_held_back"] += held_back
                     streamed += self._no_room(keys, states, i, source[i], wait_for_room, queued, promoting)
                     continue
                 if protected is None:
@@ -240,6 +254,8 @@ class Lookup:
                     streamed += self._no_room(keys, states, i, source[i], wait_for_room, queued, promoting)
                     continue
                 items.append(self.promoter.start(key, slots[0], source[i]))
+                if budget is not None:
+                    budget.left -= 1
                 states[i] = _HIT if stream else _PENDING
                 streamed += stream
                 if promoting is not None:
@@ -271,14 +287,15 @@ class Lookup:
         return 0
 
     def _allocate_all(self, keys: Sequence[bytes], order: list[int], states: list[Presence],
-                      protect: set[bytes] | None, reserve: int = 0) -> dict[bytes, int]:
+                      protect: set[bytes] | None, reserve: int = 0,
+                      budget: PromotionBudget | None = None) -> dict[bytes, int]:
         """Host slots for every chunk of ``order`` not in the host tier, in one allocation (one
         pass over the eviction order instead of one per chunk); {} when they do not all fit,
         and the caller then allocates chunk by chunk, as far as room goes. Under the lock."""
         pool = self.s.pool
         wanted = list(dict.fromkeys(keys[i] for i in order))
         absent = [k for k, st in zip(wanted, pool.lookup_many(wanted, touch=False), strict=True) if st == _ABSENT]
-        if not absent or pool.room - len(absent) < reserve:
+        if not absent or pool.room - len(absent) < reserve or (budget is not None and len(absent) > budget.left):
             return {}
         protected = {k for k, st in zip(keys, states, strict=True) if st == _HIT}
         if protect:

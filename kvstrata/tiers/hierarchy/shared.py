@@ -40,8 +40,16 @@ COUNTERS = (
     "promote_room_waits", "promote_queued", "waiting_holds", "waiting_holds_capped",
     "warm_promotions", "read_bytes", "writes_started", "writes_completed", "writes_failed",
     "writes_deferred", "writes_dropped", "write_bytes", "writes_flushed", "writes_retried",
-    "writes_resumed", "writes_lost", "writes_urgent", "promotions_unused",
+    "writes_resumed", "writes_lost", "writes_urgent", "promotions_unused", "promote_held_back",
 )
+
+
+@dataclass(eq=False)
+class PromotionBudget:
+    """How many more promotions a lookup may start (``Hierarchy.lookup_many``'s ``budget``),
+    spent as its probes start them: one lookup's probes (groups, tails) share it."""
+
+    left: int
 
 
 def chunk_group(key: bytes) -> int:

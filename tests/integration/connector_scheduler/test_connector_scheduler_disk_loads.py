@@ -521,3 +521,40 @@ def test_disk_hits_are_read_by_the_read_processes(runners, tmp_path: Path, tp: i
     assert third.serve(prompt, 1) == 48 and third.load_errors == []  # chunks 0-2, never chunk 3
     assert third.stats.data["load_failures"] == 1 and third.stats.data["hit_tokens_disk"] == 48
     assert third.connector.scheduler.hierarchy.tiers[0].stats()["corrupt"] == 1
+
+
+def test_a_request_looked_up_behind_another_promotes_no_more_than_it_can_hold(runners, tmp_path: Path) -> None:
+    """Loads not streamed: a restarted engine gets two requests at once, each with 6 chunks on
+    disk, and room to hold 8 chunks for waiting requests. The first looked up in the step promotes its 6 and
+    holds them; the second, behind it, promotes only the 2 it can hold (the rest would be idle
+    slots others' promotions and stores take before it loads them) and the rest once it comes
+    first. Both are served all 96 tokens, each chunk promoted once. Watched failing without the
+    budget (12 promotions in the first step)."""
+    import os
+
+    first_prompt, second_prompt = token_prompt(96, seed=11), token_prompt(96, seed=12)
+    store = tmp_path / "persist"
+    writer = runners([G("full", 16)], store=store)
+    writer.serve(first_prompt, 1)
+    writer.serve(second_prompt, 1)
+    writer.close()
+    r = runners([G("full", 16)], store=store, extra={"stream_loads": False, "host_bytes": 1 << 20})
+    hierarchy = r.connector.scheduler.hierarchy
+    # Other waiting requests hold all but 8 of the chunks that may be held.
+    others = [os.urandom(28) + bytes(4) for _ in range(hierarchy.hold_room() - 8)]
+    assert hierarchy.prepare_store(others) is not None
+    hierarchy.complete_store(others)
+    held = hierarchy.hold(others)
+    assert hierarchy.hold_room() == 8
+    a, b = r.add(first_prompt, 1), r.add(second_prompt, 1)
+    r.step()
+    stats = hierarchy.stats()
+    assert stats["promotions_started"] == 8 and stats["promote_held_back"] == 4, stats
+    assert stats["chunks_held"] == len(others) + 8, stats
+    r.run_until_idle()
+    assert r.loaded_tokens[a.request_id] == 96 and r.loaded_tokens[b.request_id] == 96
+    assert r.load_errors == []
+    stats = hierarchy.stats()
+    assert stats["promotions_started"] == 12 and stats["promotions_unused"] == 0, stats
+    hierarchy.release_held(held)
+    assert_host_tier_released(r)
