@@ -57,6 +57,7 @@ class LookupMixin:
     _awaiting: set[str]
     _pieced: dict[str, None]
     _step_lookups: int  # lookups in this scheduling step so far
+    _unallocated_hits: dict[str, None]  # requests answered a hit in this step, not allocated yet
 
     if TYPE_CHECKING:  # the scheduler's helpers this half calls (defined in StrataScheduler)
         def _refresh_keys(self, st: RequestState) -> None: ...
@@ -72,6 +73,8 @@ class LookupMixin:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int, max_num_new_tokens: int | None = None
     ) -> tuple[int | None, bool]:
+        if self._unallocated_hits:  # vLLM went on past a hit it did not allocate (rare)
+            self.hold_unallocated_hits()
         st = self._reqs[request.request_id]
         for gs in st.groups.values():
             gs.block_ids.clear()
@@ -185,9 +188,14 @@ class LookupMixin:
             # vLLM may find no room for the hit's blocks in this step (its KV cache is full):
             # the request then waits and is looked up again at a later step, and the chunks
             # promoted for it would meanwhile be idle host slots that other requests' stores
-            # evict and its next lookup promotes again. Held until that lookup, or until its
-            # load pins them (update_state_after_alloc) or it ends.
-            self._hold(st, found)
+            # evict and its next lookup promotes again. Held at the end of the step's
+            # scheduling if vLLM has not allocated it by then (``hold_unallocated_hits``):
+            # most hits are allocated at once (update_state_after_alloc, whose load pins what
+            # it needs), and vLLM looks no further request up in a step after one it could not
+            # allocate (or if it does, that lookup holds them first), so nothing evicts them
+            # before that.
+            st.hit_found = found
+            self._unallocated_hits[request.request_id] = None
         else:
             self._release_held(st)
         st.awaiting = []
@@ -205,6 +213,17 @@ class LookupMixin:
                         and (self.sync_loads_wait_for_disk or not self.stream_loads
                              or not self.hierarchy.in_flight(list(answered))))
         return hit, hit > 0 and not st.sync_load
+
+    def hold_unallocated_hits(self) -> None:
+        """Hold what the lookups of this step found for hits vLLM did not allocate blocks for
+        (see ``get_num_new_matched_tokens``); called once the step is scheduled, before its
+        stores and pieces take host room, or by the step's next lookup."""
+        for req_id in self._unallocated_hits:
+            st = self._reqs.get(req_id)
+            if st is not None and st.hit_found is not None:
+                self._hold(st, st.hit_found)
+                st.hit_found = None
+        self._unallocated_hits.clear()
 
     def _hold(self, st: RequestState, keys: list[bytes]) -> None:
         """Pin what the request's deferred lookup found until it is looked up again and loads
@@ -296,6 +315,9 @@ class LookupMixin:
 
     # -------------------------------------------------------------------- load
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if request.request_id in self._unallocated_hits:
+            del self._unallocated_hits[request.request_id]
+            self._reqs[request.request_id].hit_found = None
         if num_external == 0:
             waited = self._reqs.get(request.request_id)
             if waited is not None and waited.held:  # its lookup found nothing to load after all

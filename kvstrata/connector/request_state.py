@@ -68,6 +68,9 @@ class RequestState:
     # Chunks pinned in the host tier for this request while its lookup waits (and until its
     # load is prepared): what the lookup found there or promoting into it (Hierarchy.hold).
     held: list[bytes] = field(default_factory=list)
+    # What the last lookup found for a hit vLLM has not allocated blocks for yet: held at the
+    # end of the step's scheduling if it still has not (``LookupMixin.hold_unallocated_hits``).
+    hit_found: list[bytes] | None = None
     # Where the last lookup's hit ends inside a block (a partial tail, R30), for the load plan.
     partial_boundary: int | None = None
     # The prompt's tail keys per group (semantics.prompt_tail), hashed once on first use; and

@@ -96,6 +96,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
         self._awaiting: set[str] = set()  # requests whose lookup waits on st.awaiting
         self._pieced: dict[str, None] = {}  # requests with pieces of a load still to load
         self._step_lookups = 0  # lookups in this scheduling step so far
+        self._unallocated_hits: dict[str, None] = {}
         self._block_hash_fn: Any = None  # vLLM's prefix-caching hash, for prompt-tail keys
 
     # ---------------------------------------------------------------- requests
@@ -195,6 +196,8 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
 
     # ------------------------------------------------------------------- steps
     def build_connector_meta(self, so: SchedulerOutput) -> StrataMetadata:
+        if self._unallocated_hits:
+            self.hold_unallocated_hits()
         self._update_block_ids(so)
         for req_id in so.preempted_req_ids or ():
             st = self._reqs.get(req_id)
@@ -374,9 +377,11 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._awaiting.discard(request.request_id)
+        self._unallocated_hits.pop(request.request_id, None)
         st = self._reqs.get(request.request_id)
         if st is None:
             return False, None
+        st.hit_found = None
         if st.held:
             self._release_held(st)
         if st.pieces is not None:  # aborted while its load came in pieces: vLLM still waits
@@ -400,6 +405,7 @@ class StrataScheduler(LookupMixin, StoreJobsMixin, PieceLoadsMixin):
         """
         self._flush.update(self._jobs)
         self._awaiting.clear()
+        self._unallocated_hits.clear()
         for req_id, st in list(self._reqs.items()):
             if st.req.is_finished():
                 del self._reqs[req_id]

@@ -558,3 +558,20 @@ def test_a_request_looked_up_behind_another_promotes_no_more_than_it_can_hold(ru
     assert stats["promotions_started"] == 12 and stats["promotions_unused"] == 0, stats
     hierarchy.release_held(held)
     assert_host_tier_released(r)
+
+
+def test_a_hit_vllm_allocates_at_once_is_pinned_by_its_load_alone(runners, tmp_path: Path) -> None:
+    """Streamed loads: a restarted engine's request is answered a hit of its 6 chunks on disk
+    and vLLM allocates its blocks in the same step. Its load pins them; nothing is held for it
+    (the scheduler's critical path pins and lets go of nothing twice), and it is served all 96
+    tokens. Watched failing with the hit held at the lookup (6 holds)."""
+    prompt = token_prompt(96)
+    r = _restarted_over_a_stored_prompt(runners, tmp_path, prompt)
+    hierarchy = r.connector.scheduler.hierarchy
+    req = r.add(prompt, 1)
+    r.step()
+    stats = hierarchy.stats()
+    assert stats["promotions_started"] == 6 and stats["waiting_holds"] == 0, stats
+    r.run_until_idle()
+    assert r.loaded_tokens[req.request_id] == 96 and r.load_errors == []
+    assert_host_tier_released(r)
