@@ -201,8 +201,8 @@ def run_config(name: str, base: BaseSettings, wl: Any, out: Path,
     results: list[Any] = []
     try:
         progress.say(f"{name}: starting")
-        servers = [ApiServer(f"{name}_{i}", spec, out / "logs" / f"{name}_{i}.log")
-                   for i, spec in enumerate(setup.specs)]
+        for i, spec in enumerate(setup.specs):  # each stopped in ``finally``, if interrupted too
+            servers.append(ApiServer(f"{name}_{i}", spec, out / "logs" / f"{name}_{i}.log"))
         fig["start_s"] = round(wait_healthy(servers), 1)
         if any(s.port_retries for s in servers):
             fig["port_retries"] = sum(s.port_retries for s in servers)

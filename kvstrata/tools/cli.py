@@ -12,7 +12,9 @@ import argparse
 import importlib
 import json
 import logging
+import signal
 import sys
+import threading
 from typing import Any
 
 # name -> (module, one-line help)
@@ -86,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstrata: this command needs a missing dependency: {args._import_error}", file=sys.stderr)
         return 2
     module = importlib.import_module(args._module)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    # Python sets signal handlers on the main thread only (tests call main() from others).
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         result = module.run(args)
+    except Terminated:
+        print("kvstrata: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("kvstrata: interrupted", file=sys.stderr)
         return 130
@@ -96,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"kvstrata {args.command}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if isinstance(result, int):
         return result
     if result is None:
@@ -110,6 +121,17 @@ def main(argv: list[str] | None = None) -> int:
 
 class CLIError(Exception):
     """A user-facing error: printed as one line naming what is wrong, exit status 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, ``kill``, a container's stop) unwinds a command as Ctrl-C does,
+    so that what it started is stopped and what it opened is closed: the API servers of ``bench
+    serve`` run in sessions of their own and outlived a benchmark killed by the default action."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+    raise Terminated
 
 
 if __name__ == "__main__":

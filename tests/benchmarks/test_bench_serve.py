@@ -458,3 +458,61 @@ def test_the_lmcache_shim_gives_vllms_dispatcher_a_safe_vars(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes() and \
+                    (entry / "stat").read_text().split(") ")[-1][:1] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_bench_stopped_by_sigterm_stops_its_servers(tmp_path) -> None:
+    """``kill`` of a running ``bench serve`` (a job scheduler's stop, a container's): the API
+    servers run in sessions of their own and outlived it before SIGTERM unwound the command as
+    Ctrl-C does; now each is stopped, and the command exits with 143. Watched failing without
+    the handler (the server stayed, the command died by the signal)."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "bench"
+    argv = [sys.executable, "-m", "kvstrata.tools.cli", "bench", "serve", "--tiny", "--no-progress",
+            "--out", str(out), "--users", "4", "--rounds", "3", "--context-min", "200",
+            "--context-max", "300", "--system-tokens", "64", "--max-tokens", "4",
+            "--max-model-len", "1024", "--arrival-rate", "0.2", "--configs", "kvstrata",
+            "--host-bytes", "16MiB"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "logs" / "kvstrata_0.log"
+    deadline = time.monotonic() + 240
+    try:
+        # Serving: vLLM's API server says so once it answers.
+        while not (log.exists() and "Application startup complete" in log.read_text(errors="replace")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the server never started"
+            time.sleep(0.5)
+        servers = _processes_naming(str(out / "work"))
+        assert servers, "no server process found"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = [pid for pid in servers if pid in _processes_naming(str(out / "work"))]
+    for pid in left:  # a failure here must not leave a server (and its engine) running on
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+    assert proc.returncode == 143, err[-2000:]
+    assert "kvstrata: terminated" in err
+    assert left == [], left
