@@ -1,6 +1,7 @@
 """The tier hierarchy: host slots over lower tiers (``hierarchy.Hierarchy``), and its parts:
-``shared`` (the lock, chunk states, tier links, the I/O pipeline), ``lookup``, ``write_behind``,
-``promoter`` and ``background`` (warm start, disk announcement)."""
+``shared`` (the lock, chunk states, tier links, the I/O pipeline), ``lookup``, ``pins`` (the
+host slots of stores, loads and waiting requests' holds), ``write_behind``, ``promoter`` and
+``background`` (warm start, disk announcement)."""
 
 from kvstrata.tiers.hierarchy.hierarchy import Hierarchy
 from kvstrata.tiers.hierarchy.shared import (
