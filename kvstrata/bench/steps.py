@@ -65,16 +65,15 @@ def summarise_steps(lines: Iterable[str]) -> dict[str, Any] | None:
         return None
     for key in ("prefill_step_s", "decode_only_s"):
         out[key] = round(out[key], 3)
-    full = max((n for n, _ in decode), default=0)
-    out["decode_step_running"] = full
-    out["decode_step_ms"] = (round(statistics.median(ms for n, ms in decode if n == full), 2)
-                             if decode else None)
     by_running: dict[int, list[float]] = {}
     for n, ms in decode:
         by_running.setdefault(n, []).append(ms)
-    out["decode_steps_by_running"] = {
+    out["decode_steps_by_running"] = steps = {
         str(n): {"steps": len(ms), "median_ms": round(statistics.median(ms), 2)}
         for n, ms in sorted(by_running.items())}
+    full = max(by_running, default=0)
+    out["decode_step_running"] = full
+    out["decode_step_ms"] = steps[str(full)]["median_ms"] if decode else None
     return out
 
 

@@ -4,8 +4,9 @@ A fresh interpreter spends about 11 s importing torch and vLLM before its engine
 2-core machines CI runs on). The test suite runs about a hundred engine jobs, each in a new
 process so that a restart is real: forking each of them from a server process that has imported
 vLLM, and has never built an engine, opened a store or started a thread of kvstrata's, keeps
-that (a new process, nothing of an earlier job in its memory) and saves the import. ``enable()`` turns it on for this process (tests/conftest.py does);
-``kvstrata`` commands keep spawning fresh interpreters, whose start-up their timings include.
+that (a new process, nothing of an earlier job in its memory) and saves the import. ``enable()``
+turns it on for this process (tests/conftest.py does); ``kvstrata`` commands keep spawning fresh
+interpreters, whose start-up their timings include.
 
 vLLM reads a few environment variables when it is imported (its logging set-up): the server is
 started in the environment ``child_env()`` gives, and a job whose environment differs from that
@@ -79,6 +80,12 @@ def context_for(env: dict[str, str]) -> ForkServerContext | None:
         if _comparable(env) != _comparable(_server_env):
             return None
         return _context
+
+
+def server_env() -> dict[str, str] | None:
+    """The environment the server was started with (the first job's), or None before it is."""
+    with _lock:
+        return None if _server_env is None else dict(_server_env)
 
 
 class ForkedJob:

@@ -29,7 +29,11 @@ class HostPins:
     def hold_room(self) -> int:
         """Chunks :meth:`hold` could pin now that it does not pin yet."""
         with self._s.lock:
-            return max(0, self.pool.num_slots // 2 - len(self._s.held))
+            return max(0, self._hold_room_locked())
+
+    def _hold_room_locked(self) -> int:
+        # At most half the host tier's slots are held at once (``hold``).
+        return self.pool.num_slots // 2 - len(self._s.held)
 
     def hold(self, keys: Sequence[bytes]) -> list[bytes]:
         """Pin chunks a waiting request's lookup found, in the host tier or promoting into it,
@@ -48,7 +52,7 @@ class HostPins:
             if s.closed:
                 return out
             held = s.held
-            room = pool.num_slots // 2 - len(held)  # as hold_room()
+            room = self._hold_room_locked()
             for key in keys:
                 entry = pool.get(key)
                 if entry is None or not (entry[1] or key in s.promoting):
