@@ -24,10 +24,12 @@ if _ROOT not in sys.path:
 import session_summary  # noqa: E402 (found through the path above)
 
 from kvstrata.tools import job_forkserver  # noqa: E402
+from kvstrata.tools.jobs import child_env  # noqa: E402
 
 # Engine jobs fork from a server that imported vLLM once instead of importing it again each
-# (kvstrata/tools/job_forkserver.py): still a new process for every job.
-job_forkserver.enable()
+# (kvstrata/tools/job_forkserver.py): still a new process for every job. The server's
+# environment is the suite's, whatever a test sets for its own engine.
+job_forkserver.enable(child_env)
 
 
 @pytest.fixture

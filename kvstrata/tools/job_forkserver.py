@@ -9,14 +9,17 @@ turns it on for this process (tests/conftest.py does); ``kvstrata`` commands kee
 interpreters, whose start-up their timings include.
 
 vLLM reads a few environment variables when it is imported (its logging set-up): the server is
-started in the environment ``child_env()`` gives, and a job whose environment differs from that
-one in anything but kvstrata's and pytest's own variables is spawned the usual way instead.
+started in the environment ``enable()`` is given (the suite's ``child_env()``), and a job whose
+environment differs from that one in anything but kvstrata's and pytest's own variables is
+spawned the usual way instead (a test that sets such a variable for its engine must not make
+the server, and so every later job of its worker, start in its environment).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import multiprocessing
 import os
 import subprocess
@@ -38,10 +41,19 @@ _context: ForkServerContext | None = None
 _server_env: dict[str, str] | None = None
 
 
-def enable() -> None:
-    """Fork this process's later engine jobs from the server (started at the first job)."""
-    global _enabled
-    _enabled = True
+def enable(environment: Callable[[], dict[str, str]]) -> None:
+    """Fork this process's later engine jobs whose environment is ``environment()``'s (but for
+    kvstrata's and pytest's variables) from the server, started in it at the first such job.
+
+    The server's imports are made here first: vLLM sets variables when it is imported
+    (TORCHINDUCTOR_CACHE_DIR and others; its OpenCV import LD_LIBRARY_PATH), which every later
+    job's environment, taken from this process's, then carries too."""
+    global _enabled, _server_env
+    for module in PRELOAD:
+        importlib.import_module(module)
+    env = environment()
+    with _lock:
+        _enabled, _server_env = True, env
 
 
 def _comparable(env: dict[str, str]) -> dict[str, str]:
@@ -63,27 +75,24 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
 def context_for(env: dict[str, str]) -> ForkServerContext | None:
     """The forkserver context to start a job with environment ``env`` in, or None where jobs
     are spawned (not enabled, or ``env`` differs from the server's where vLLM's import reads it)."""
-    global _context, _server_env
-    if not _enabled:
-        return None
+    global _context
     with _lock:
+        if not _enabled or _server_env is None or _comparable(env) != _comparable(_server_env):
+            return None
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(PRELOAD)
-            # The server inherits this process's environment when it is started: the jobs'.
+            # The server inherits this process's environment when it is started.
             from multiprocessing import forkserver
 
-            with _environment(env):
+            with _environment(_server_env):
                 forkserver.ensure_running()
-            _context, _server_env = ctx, dict(env)
-        assert _server_env is not None
-        if _comparable(env) != _comparable(_server_env):
-            return None
+            _context = ctx
         return _context
 
 
 def server_env() -> dict[str, str] | None:
-    """The environment the server was started with (the first job's), or None before it is."""
+    """The environment the server runs in (given to ``enable()``), or None if not enabled."""
     with _lock:
         return None if _server_env is None else dict(_server_env)
 

@@ -32,6 +32,14 @@ def sleep_forever(argv: list[str]) -> int:
     return 0
 
 
+def _job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A job's environment: the server's (the suite's ``child_env()`` once vLLM was imported; an
+    engine built in this process since may have set more variables in it)."""
+    env = job_forkserver.server_env()
+    assert env is not None, "the suite enables the job server (tests/conftest.py)"
+    return {**env, **(extra or {})}
+
+
 def _start(target: Callable[[list[str]], int], argv: list[str], log: Path,
            env: dict[str, str]) -> job_forkserver.ForkedJob:
     ctx = job_forkserver.context_for(env)
@@ -41,7 +49,7 @@ def _start(target: Callable[[list[str]], int], argv: list[str], log: Path,
 
 
 def test_a_forked_job_is_a_new_process_with_its_log_status_and_environment(tmp_path: Path) -> None:
-    env = child_env({"KVSTRATA_TEST_MARK": "first"})
+    env = _job_env({"KVSTRATA_TEST_MARK": "first"})
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     jobs = [_start(report_and_exit, ["3"], logs[0], env),
             _start(report_and_exit, ["0"], logs[1], {**env, "KVSTRATA_TEST_MARK": "second"})]
@@ -60,7 +68,7 @@ def test_a_forked_job_is_a_new_process_with_its_log_status_and_environment(tmp_p
 
 def test_a_forked_job_that_runs_too_long_is_killed(tmp_path: Path) -> None:
     started = tmp_path / "started"
-    job = _start(sleep_forever, [str(started)], tmp_path / "job.log", child_env())
+    job = _start(sleep_forever, [str(started)], tmp_path / "job.log", _job_env())
     deadline = time.monotonic() + 120
     while not started.exists():
         assert time.monotonic() < deadline, "the job never started"
@@ -73,10 +81,29 @@ def test_a_forked_job_that_runs_too_long_is_killed(tmp_path: Path) -> None:
 
 
 def test_a_job_whose_environment_vllm_would_read_otherwise_is_spawned() -> None:
-    # The server's environment is the first job's in this worker (an earlier test's may differ
-    # from child_env() here).
-    env = job_forkserver.server_env() or child_env()
+    env = _job_env()
     assert job_forkserver.context_for(env) is not None
     assert job_forkserver.context_for({**env, "KVSTRATA_ANYTHING": "1", "PYTEST_X": "y"}) is not None
     other = "ERROR" if env.get("VLLM_LOGGING_LEVEL") != "ERROR" else "INFO"
     assert job_forkserver.context_for({**env, "VLLM_LOGGING_LEVEL": other}) is None
+
+
+def test_the_server_runs_in_the_suites_environment_whatever_the_first_job_sets() -> None:
+    # A fresh process (this one's server may be running). A test that sets a variable vLLM
+    # reads for its own engine (tests/e2e/test_multiprocess.py) and runs its worker's first job
+    # must not make every later job of that worker differ from the server's environment (and
+    # spawn); nor may vLLM's import, which sets variables, make the suite's own jobs differ.
+    code = (
+        "from kvstrata.tools import job_forkserver\n"
+        "from kvstrata.tools.jobs import child_env\n"
+        "job_forkserver.enable(child_env)\n"
+        "env = job_forkserver.server_env()\n"
+        "assert job_forkserver.context_for({**env, 'VLLM_CPU_OMP_THREADS_BIND': '0|1'}) is None\n"
+        "assert job_forkserver.server_env() == env\n"
+        "import vllm.entrypoints.llm\n"
+        "assert child_env() == env, set(child_env().items()) ^ set(env.items())\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=child_env())
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
