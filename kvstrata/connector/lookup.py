@@ -92,6 +92,7 @@ class LookupMixin:
         # a waiting request can hold").
         behind = self._step_lookups > 0
         self._step_lookups += 1
+        st.head_of_queue = not behind
         now = time.monotonic()
         if st.lookup_started is None:
             st.lookup_started = now
@@ -228,7 +229,7 @@ class LookupMixin:
     def _hold(self, st: RequestState, keys: list[bytes]) -> None:
         """Pin what the request's deferred lookup found until it is looked up again and loads
         it (``Hierarchy.hold``); the pins of its previous deferral are let go."""
-        held, st.held = st.held, self.hierarchy.hold(keys)
+        held, st.held = st.held, self.hierarchy.hold(keys, head=st.head_of_queue)
         self.hierarchy.release_held(held)
 
     def _release_held(self, st: RequestState) -> None:

@@ -68,6 +68,9 @@ class RequestState:
     # Chunks pinned in the host tier for this request while its lookup waits (and until its
     # load is prepared): what the lookup found there or promoting into it (Hierarchy.hold).
     held: list[bytes] = field(default_factory=list)
+    # Whether its last lookup was its step's first: vLLM looks its waiting requests up in queue
+    # order, so this is the one it schedules next (it may hold more: Hierarchy.hold's ``head``).
+    head_of_queue: bool = False
     # What the last lookup found for a hit vLLM has not allocated blocks for yet: held at the
     # end of the step's scheduling if it still has not (``LookupMixin.hold_unallocated_hits``).
     hit_found: list[bytes] | None = None

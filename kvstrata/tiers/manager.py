@@ -30,8 +30,8 @@ class TierManager(Protocol):
         promotion (see ``Hierarchy.lookup_many``)."""
         ...
 
-    def hold_room(self) -> int:
-        """Chunks ``hold`` could pin now that it does not pin yet."""
+    def hold_room(self, *, head: bool = False) -> int:
+        """Chunks ``hold`` (with ``head``) could pin now that it does not pin yet."""
         ...
 
     def host_room(self) -> int:
@@ -61,9 +61,9 @@ class TierManager(Protocol):
 
     def wait_promotions(self, keys: Sequence[bytes], timeout: float | None) -> bool: ...
 
-    def hold(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Pin chunks a waiting request's lookup found until it loads them (bounded; see
-        ``Hierarchy.hold``); returns the keys pinned."""
+    def hold(self, keys: Sequence[bytes], *, head: bool = False) -> list[bytes]:
+        """Pin chunks a waiting request's lookup found until it loads them (bounded, more for
+        the ``head`` of vLLM's waiting queue; see ``Hierarchy.hold``); returns the keys pinned."""
         ...
 
     def release_held(self, keys: Sequence[bytes]) -> None: ...

@@ -79,6 +79,28 @@ def test_at_most_half_the_host_tier_is_held(env):
     assert h.stats()["chunks_held"] == 0 and h.stats()["host"]["referenced"] == 0
 
 
+def test_the_head_of_the_queue_holds_up_to_three_quarters(env):
+    """The request vLLM schedules next holds up to three quarters of the slots, the others
+    half: requests behind it that filled their half leave it a quarter. Watched failing with
+    ``head`` ignored (the head held nothing)."""
+    h, keys = _restarted_with_on_disk(env, 8, slots=8)
+    assert h.lookup_many(keys) == [PENDING] * 8
+    assert h.wait_promotions(keys, 30)
+    assert h.hold_room() == 4 and h.hold_room(head=True) == 6
+    behind = h.hold(keys[4:])
+    assert behind == keys[4:] and h.hold_room() == 0 and h.hold_room(head=True) == 2
+    head = h.hold(keys[:4], head=True)
+    assert head == keys[:2], head
+    assert h.hold(keys[2:4]) == []  # not the head: its half is full
+    assert h.stats()["chunks_held"] == 6 and h.stats()["waiting_holds_capped"] == 4
+    h.release_held(behind)
+    again = h.hold(keys[:4], head=True)  # looked up again: its previous holds then let go
+    h.release_held(head)
+    assert again == keys[:4] and h.stats()["chunks_held"] == 4
+    h.release_held(again)
+    assert h.stats()["chunks_held"] == 0 and h.stats()["host"]["referenced"] == 0
+
+
 def test_a_held_chunk_whose_promotion_fails_is_let_go_cleanly(env):
     """A chunk held while its promotion runs, whose record turns out corrupt: it is dropped
     (a miss), and letting go of the hold touches no other chunk's pins; a store in flight is

@@ -26,16 +26,18 @@ class HostPins:
     _writes: WriteBehind
     _promoter: Promoter
 
-    def hold_room(self) -> int:
-        """Chunks :meth:`hold` could pin now that it does not pin yet."""
+    def hold_room(self, *, head: bool = False) -> int:
+        """Chunks :meth:`hold` (with ``head``) could pin now that it does not pin yet."""
         with self._s.lock:
-            return max(0, self._hold_room_locked())
+            return max(0, self._hold_room_locked(head))
 
-    def _hold_room_locked(self) -> int:
-        # At most half the host tier's slots are held at once (``hold``).
-        return self.pool.num_slots // 2 - len(self._s.held)
+    def _hold_room_locked(self, head: bool) -> int:
+        # Holds pin at most half the host tier's slots at once, or three quarters for the
+        # request vLLM schedules next (``hold``).
+        slots = self.pool.num_slots
+        return (slots * 3 // 4 if head else slots // 2) - len(self._s.held)
 
-    def hold(self, keys: Sequence[bytes]) -> list[bytes]:
+    def hold(self, keys: Sequence[bytes], *, head: bool = False) -> list[bytes]:
         """Pin chunks a waiting request's lookup found, in the host tier or promoting into it,
         until the request is looked up again and loads them: a lookup that answers PENDING, or
         a hit vLLM finds no blocks for in that step, runs again only when vLLM's scheduler
@@ -43,8 +45,11 @@ class HostPins:
         other requests' stores and promotions evict (a small host tier then promotes the same
         chunks over and over: docs/BENCHMARKS.md, "Holding a waiting request's chunks"). At
         most half the host tier's slots are held at once, first come first held (a request's
-        keys in prefix order); stores still in flight are not held. Returns the keys pinned (a
-        key once per pin): release them with :meth:`release_held`."""
+        keys in prefix order), but up to three quarters by the ``head`` of vLLM's waiting queue
+        (the request it schedules next, whose promotions no budget bounds): the others leave
+        it a quarter at least (docs/BENCHMARKS.md, "The head of the queue holds more"). Stores
+        still in flight are not held. Returns the keys pinned (a key once per pin): release
+        them with :meth:`release_held`."""
         s = self._s
         pool = self.pool
         out: list[bytes] = []
@@ -52,7 +57,7 @@ class HostPins:
             if s.closed:
                 return out
             held = s.held
-            room = self._hold_room_locked()
+            room = self._hold_room_locked(head)
             for key in keys:
                 entry = pool.get(key)
                 if entry is None or not (entry[1] or key in s.promoting):

@@ -560,6 +560,38 @@ def test_a_request_looked_up_behind_another_promotes_no_more_than_it_can_hold(ru
     assert_host_tier_released(r)
 
 
+def test_the_request_vllm_schedules_next_holds_past_what_others_left(runners, tmp_path: Path) -> None:
+    """Loads not streamed: requests behind in vLLM's queue hold all of the half of the host
+    tier that they may. A restarted engine's request, first in its step's lookups (the one
+    vLLM schedules next), still holds its 6 promoting chunks (the head may hold up to three
+    quarters), and is served all 96 tokens, each chunk promoted once. Watched failing with the
+    head's allowance ignored (0 of its chunks held)."""
+    import os
+
+    prompt = token_prompt(96)
+    store = tmp_path / "persist"
+    writer = runners([G("full", 16)], store=store)
+    writer.serve(prompt, 1)
+    writer.close()
+    r = runners([G("full", 16)], store=store, extra={"stream_loads": False, "host_bytes": 1 << 20})
+    hierarchy = r.connector.scheduler.hierarchy
+    others = [os.urandom(28) + bytes(4) for _ in range(hierarchy.hold_room())]
+    assert hierarchy.prepare_store(others) is not None
+    hierarchy.complete_store(others)
+    held = hierarchy.hold(others)
+    assert hierarchy.hold_room() == 0 and hierarchy.hold_room(head=True) >= 6
+    req = r.add(prompt, 1)
+    r.step()
+    stats = hierarchy.stats()
+    assert stats["promotions_started"] == 6 and stats["chunks_held"] == len(others) + 6, stats
+    r.run_until_idle()
+    assert r.loaded_tokens[req.request_id] == 96 and r.load_errors == []
+    stats = hierarchy.stats()
+    assert stats["promotions_started"] == 6 and stats["promotions_unused"] == 0, stats
+    hierarchy.release_held(held)
+    assert_host_tier_released(r)
+
+
 def test_a_hit_vllm_allocates_at_once_is_pinned_by_its_load_alone(runners, tmp_path: Path) -> None:
     """Streamed loads: a restarted engine's request is answered a hit of its 6 chunks on disk
     and vLLM allocates its blocks in the same step. Its load pins them; nothing is held for it
