@@ -36,7 +36,6 @@ PRELOAD = ["vllm", "vllm.entrypoints.llm", "kvstrata.tools.jobs"]
 _PER_JOB_PREFIXES = ("KVSTRATA_", "PYTEST_")
 
 _lock = threading.Lock()
-_enabled = False
 _context: ForkServerContext | None = None
 _server_env: dict[str, str] | None = None
 
@@ -48,12 +47,12 @@ def enable(environment: Callable[[], dict[str, str]]) -> None:
     The server's imports are made here first: vLLM sets variables when it is imported
     (TORCHINDUCTOR_CACHE_DIR and others; its OpenCV import LD_LIBRARY_PATH), which every later
     job's environment, taken from this process's, then carries too."""
-    global _enabled, _server_env
+    global _server_env
     for module in PRELOAD:
         importlib.import_module(module)
     env = environment()
     with _lock:
-        _enabled, _server_env = True, env
+        _server_env = env  # enabled from now on
 
 
 def _comparable(env: dict[str, str]) -> dict[str, str]:
@@ -77,7 +76,7 @@ def context_for(env: dict[str, str]) -> ForkServerContext | None:
     are spawned (not enabled, or ``env`` differs from the server's where vLLM's import reads it)."""
     global _context
     with _lock:
-        if not _enabled or _server_env is None or _comparable(env) != _comparable(_server_env):
+        if _server_env is None or _comparable(env) != _comparable(_server_env):
             return None
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
